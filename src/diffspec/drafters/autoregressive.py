@@ -1,0 +1,97 @@
+"""An autoregressive draft model: any causal LM that shares the target's tokenizer.
+
+Drafts one token per forward pass on its own KV cache. Greedy requests draft the argmax (one-hot
+q); sampling requests draw from q = the drafter's distribution under the request's temperature,
+top-k and top-p, and hand q to rejection sampling. Confidence = q(drafted token) (the softmax
+probability at temperature 1 when greedy), which is what FailFast reads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..cache import cache_length, new_cache, truncate_cache
+from ..policies.base import LengthPolicy
+from ..sampling import probs_from_logits, sample
+from ..types import Draft, SamplingParams
+from .base import Drafter, DrafterCapabilities, DraftBuilder
+
+
+class AutoregressiveDrafter(Drafter):
+    capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
+                                       keeps_own_cache=True)
+
+    def __init__(self, model, tokenizer=None, name: str = "ar"):
+        from ..target import tokenizer_fingerprint
+
+        self.model = model.eval()
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+        self.device = next(model.parameters()).device
+        self.vocab_size: Optional[int] = None  # the target's, set by check_compatible
+        self._cache = new_cache(model.config)
+        self._cached_ids: list = []  # the tokens whose keys/values are in _cache, in order
+
+    @classmethod
+    def load(cls, spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "AutoregressiveDrafter":
+        from ..models import load_model_and_tokenizer
+
+        model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device)
+        return cls(model, tok, name=f"ar:{spec}")
+
+    def check_compatible(self, target) -> None:
+        super().check_compatible(target)
+        self.vocab_size = target.vocab_size
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        self._cache = new_cache(self.model.config)
+        self._cached_ids = []
+
+    @torch.inference_mode()
+    def _forward(self, tokens: list) -> torch.Tensor:
+        """Append tokens to the drafter cache; return the logits after the last one [V_target]."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True).logits[0, -1]
+        self._cached_ids.extend(tokens)
+        v = self.vocab_size or logits.shape[-1]
+        if logits.shape[-1] > v:       # padded embedding rows are not tokens
+            logits = logits[:v]
+        elif logits.shape[-1] < v:     # ids the drafter cannot produce get probability 0
+            logits = torch.cat([logits, logits.new_full((v - logits.shape[-1],), float("-inf"))])
+        return logits
+
+    def _sync_cache(self, context: list) -> list:
+        """Keep the longest prefix of the cache that matches context; return tokens still to feed."""
+        common = 0
+        for a, b in zip(self._cached_ids, context):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(context) - 1)  # always feed >= 1 token to get fresh logits
+        truncate_cache(self._cache, common)
+        del self._cached_ids[common:]
+        assert cache_length(self._cache) == common
+        return context[common:]
+
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        builder = DraftBuilder()
+        passes = 0
+        pending = self._sync_cache(context.tolist())
+        logits = None
+        for k in builder.increments(policy, limit):
+            for _ in range(k):
+                logits = self._forward(pending)
+                passes += 1
+                if sampling.greedy:
+                    probs = torch.softmax(logits.float(), dim=-1)
+                    token = int(probs.argmax())
+                    builder.add(token, float(probs[token]))
+                else:
+                    q = probs_from_logits(logits.unsqueeze(0), sampling)[0]
+                    token = int(sample(q.unsqueeze(0), generator)[0])
+                    builder.add(token, float(q[token]), q)
+                pending = [token]
+        return builder.build(passes, context.device)

@@ -1,0 +1,106 @@
+"""The drafter contract.
+
+A drafter proposes tokens that the target then verifies. Two methods and a feedback hook:
+
+- `begin(prompt_ids)`: a new request starts; drop any per-request state.
+- `propose(context, policy, limit, sampling, generator) -> Draft`: draft at most `limit` tokens
+  continuing `context` (prompt + every token emitted so far), asking `policy` how far to go.
+- `observe(hidden, start)`: feedback after every target pass, with the target's hidden states
+  for positions start..start+m-1 (only for drafters that declare `needs_target_hidden_states`).
+
+Drafters declare what they can do with `capabilities` (flags, never `hasattr`). A drafter that
+keeps its own KV cache must derive its validity from `context` alone (keep the longest common
+prefix with what it cached), so rejected tokens, zero-length drafts and new requests can never
+leave it stale.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ..errors import DiffspecError
+from ..policies.base import LengthPolicy
+from ..types import Draft, SamplingParams
+
+
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    gives_probabilities: bool = False        # Draft.probs is q when sampling (else one-hot q)
+    needs_target_hidden_states: bool = False  # wants observe() with target hidden states
+    keeps_own_cache: bool = False             # holds a KV cache across rounds
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+    capabilities: DrafterCapabilities = DrafterCapabilities()
+    target_layer_ids: tuple = ()           # target layers whose hidden states observe() receives
+    tokenizer_fingerprint: Optional[str] = None  # None: works on ids of any tokenizer
+
+    def check_compatible(self, target) -> None:
+        """Refuse a target whose token ids mean something else than ours."""
+        mine, theirs = self.tokenizer_fingerprint, target.tokenizer_fingerprint
+        if mine is not None and theirs is not None and mine != theirs:
+            raise DiffspecError(f"tokenizer mismatch: drafter '{self.name}' (vocabulary {mine}) does not share "
+                                f"the target's tokenizer (vocabulary {theirs}); a drafter must use the target's vocabulary")
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        """A new request; prompt_ids [P] int64."""
+
+    @abstractmethod
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        """Draft up to `limit` tokens after `context` [n] int64."""
+
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """Target hidden states [m, F] for positions start..start+m-1 (see target_layer_ids)."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+class DraftBuilder:
+    """Collects one round's drafted tokens and asks the policy for increments.
+
+        builder = DraftBuilder()
+        for k in builder.increments(policy, limit):
+            ... builder.add(token, confidence, q_row) up to k times ...
+        return builder.build(forward_passes)
+
+    Stops when the policy says 0, when `limit` is reached, or when an increment came back short
+    (the drafter had nothing more to offer).
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list = []
+        self.confidences: list = []
+        self.probs: list = []
+
+    def add(self, token: int, confidence: float, q_row: Optional[torch.Tensor] = None) -> None:
+        self.tokens.append(int(token))
+        self.confidences.append(float(confidence))
+        if q_row is not None:
+            self.probs.append(q_row)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def increments(self, policy: LengthPolicy, limit: int) -> Iterator[int]:
+        k = min(policy.next_increment(()), limit)
+        while k > 0:
+            before = len(self.tokens)
+            yield k
+            if len(self.tokens) - before < k:
+                return
+            k = min(policy.next_increment(tuple(self.confidences)), limit - len(self.tokens))
+
+    def build(self, forward_passes: int, device="cpu") -> Draft:
+        if self.probs and len(self.probs) != len(self.tokens):
+            raise RuntimeError("a drafter gave q for some tokens and not others")
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long, device=device),
+                     probs=torch.stack(self.probs) if self.probs else None,
+                     confidences=torch.tensor(self.confidences, dtype=torch.float32),
+                     forward_passes=forward_passes)

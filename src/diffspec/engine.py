@@ -1,0 +1,208 @@
+"""The speculative decoding engine.
+
+Contract: for any drafter and any length policy, `SpeculativeEngine.generate` returns exactly what
+the target alone would produce - token for token when greedy (temperature 0), and a sample from
+the target's own distribution when sampling (temperature / top-k / top-p). A drafter only changes
+how many target forward passes that takes.
+
+Each round:
+  1. draft   - the drafter proposes up to `limit` tokens, the policy deciding how many;
+  2. verify  - ONE target forward pass over [last token, d_1..d_k] gives k+1 distributions;
+  3. accept  - greedy prefix match or rejection sampling (see verify.py) keeps d_1..d_n and adds
+               one recovered or bonus token;
+  4. stop    - the emitted tokens are cut at the first stop token and at max_new_tokens;
+  5. roll back - the target cache is cut to the accepted length (a pointer move);
+  6. feedback - the drafter gets the target's hidden states if it asked, the policy the round's stats.
+
+The target cache always holds every token but the last one emitted: that token is the first
+input of the next verify pass, so plain decoding (no drafter) is the same loop with k = 0.
+
+Statistics: `GenerationResult.mean_accepted_length` counts the bonus token (vLLM's convention):
+emitted tokens per round, 1.0 for plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from .drafters.base import Drafter
+from .errors import DiffspecError
+from .policies import FailFastPolicy, LengthPolicy
+from .sampling import make_generator, probs_from_logits
+from .target import Target
+from .types import Draft, GenerationResult, RoundStats, SamplingParams
+from .verify import verify_greedy, verify_rejection
+
+Prompt = Union[str, Sequence[int], torch.Tensor]
+
+
+class SpeculativeEngine:
+    """A target, an optional drafter and a speculation-length policy. One request at a time."""
+
+    def __init__(self, target: Target, drafter: Optional[Drafter] = None, policy: Optional[LengthPolicy] = None):
+        if drafter is not None:
+            drafter.check_compatible(target)
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy or FailFastPolicy()
+
+    # --- public API ----------------------------------------------------------------------
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, sampling: Optional[SamplingParams] = None,
+                 chat: bool = True, stop_token_ids: Optional[Sequence[int]] = None,
+                 system: Optional[str] = None) -> GenerationResult:
+        """Generate a completion; `prompt` is text (chat template applied unless chat=False) or token ids."""
+        stream = self.stream(prompt, max_new_tokens, sampling, chat, stop_token_ids, system)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, sampling: Optional[SamplingParams] = None,
+               chat: bool = True, stop_token_ids: Optional[Sequence[int]] = None,
+               system: Optional[str] = None) -> "GenerationStream":
+        """Like generate, but iterating yields text as rounds are accepted; `.result` at the end."""
+        sampling = sampling or SamplingParams()
+        prompt_ids = self._prompt_ids(prompt, chat, system)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise DiffspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        room = self.target.max_context - len(prompt_ids)
+        if room <= 0:
+            raise DiffspecError(f"prompt has {len(prompt_ids)} tokens, more than fits in the model's context "
+                                f"of {self.target.max_context} tokens (at least one new token must fit)")
+        stops = frozenset(int(t) for t in stop_token_ids) if stop_token_ids is not None else self.target.stop_token_ids
+        rounds = self._rounds(prompt_ids, min(max_new_tokens, room), sampling, stops)
+        return GenerationStream(self, prompt_ids, rounds)
+
+    # --- the loop ------------------------------------------------------------------------
+    def _rounds(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams,
+                stops: frozenset) -> Iterator[tuple]:
+        """Yields (prefill seconds, prefill passes) once, then (emitted ids, RoundStats, finish reason or None)."""
+        target, drafter, policy = self.target, self.drafter, self.policy
+        device = target.device
+        layers = tuple(drafter.target_layer_ids) if drafter and drafter.capabilities.needs_target_hidden_states else ()
+        generator = make_generator(sampling, device)
+        tokens = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+
+        # 0. prefill: the cache takes every prompt token but the last
+        t0 = time.perf_counter()
+        target.reset()
+        passes_before = target.forward_passes
+        if drafter is not None:
+            drafter.begin(tokens)
+        if len(prompt_ids) > 1:
+            out = target.forward(tokens[:-1], hidden_layers=layers)
+            if layers:
+                drafter.observe(out.hidden_states, start=0)
+        yield time.perf_counter() - t0, target.forward_passes - passes_before
+
+        generated = 0
+        while True:
+            # 1. draft
+            t0 = time.perf_counter()
+            limit = max_new_tokens - generated - 1  # the target adds one token of its own
+            if drafter is not None and limit > 0:
+                draft = drafter.propose(tokens, policy, limit, sampling, generator)
+            else:
+                draft = Draft.empty(device)
+            k = len(draft)
+            t1 = time.perf_counter()
+
+            # 2. verify: one forward pass over [last, d_1..d_k]
+            out = target.forward(torch.cat([tokens[-1:], draft.tokens.to(device)]), hidden_layers=layers)
+
+            # 3. accept
+            if sampling.greedy:
+                verdict = verify_greedy(draft.tokens, out.logits)
+            else:
+                p = probs_from_logits(out.logits, sampling)
+                verdict = verify_rejection(draft.tokens, draft.probs, p, generator)
+            n = verdict.num_accepted
+            emitted = draft.tokens[:n].tolist() + [verdict.next_token]
+
+            # 4. stop: first stop token, then the length budget
+            finish = None
+            for i, tok in enumerate(emitted):
+                if tok in stops:
+                    emitted, finish = emitted[: i + 1], "stop"
+                    break
+            if finish is None and generated + len(emitted) >= max_new_tokens:
+                emitted, finish = emitted[: max_new_tokens - generated], "length"
+
+            # 5. roll back: keep the context and the n accepted drafts; the new last token stays out
+            context_len = tokens.shape[0]
+            target.truncate(context_len + n)
+            tokens = torch.cat([tokens, torch.tensor(emitted, dtype=torch.long, device=device)])
+            generated += len(emitted)
+            t2 = time.perf_counter()
+
+            # 6. feedback
+            if layers:
+                drafter.observe(out.hidden_states[: n + 1], start=context_len - 1)
+            stats = RoundStats(drafted=k, accepted=n, emitted=len(emitted), draft_time_s=t1 - t0,
+                               verify_time_s=t2 - t1, target_forward_passes=1,
+                               drafter_forward_passes=draft.forward_passes,
+                               confidences=tuple(round(c, 4) for c in draft.confidences.tolist()))
+            policy.update(stats)
+            yield emitted, stats, finish
+            if finish is not None:
+                return
+
+    # --- helpers -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt, chat: bool, system: Optional[str]) -> list:
+        if isinstance(prompt, str):
+            return self.target.encode_prompt(prompt, chat=chat, system=system)
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise DiffspecError("prompt is empty")
+        vocab = self.target.vocab_size
+        if any((not isinstance(i, int)) or i < 0 or i >= vocab for i in ids):
+            raise DiffspecError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+
+class GenerationStream:
+    """Iterate for text deltas as rounds are accepted; `result` holds the GenerationResult at the end.
+
+    Text is released only when it decodes cleanly (no half of a multi-byte character). Closing
+    the stream early (`close()`, or dropping it) stops generation at the next round.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list, rounds: Iterator):
+        self._engine = engine
+        self._rounds = rounds
+        self.prompt_ids = prompt_ids
+        self.token_ids: list = []
+        self.round_stats: list = []
+        self.text = ""
+        self.result: Optional[GenerationResult] = None
+        self._finish_reason = "length"
+        self._t_start = time.perf_counter()
+        self._prefill = (0.0, 0)
+
+    def __iter__(self) -> Iterator[str]:
+        target = self._engine.target
+        self._t_start = time.perf_counter()
+        self._prefill = next(self._rounds)
+        for emitted, stats, finish in self._rounds:
+            self.token_ids.extend(emitted)
+            self.round_stats.append(stats)
+            self._finish_reason = finish or self._finish_reason
+            if target.tokenizer is not None:
+                text = target.decode(self.token_ids)
+                if not text.endswith("\ufffd") or finish:
+                    delta, self.text = text[len(self.text):], text
+                    if delta:
+                        yield delta
+        self._finish()
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    def _finish(self) -> None:
+        wall = time.perf_counter() - self._t_start
+        self.result = GenerationResult(
+            text=self.text, token_ids=list(self.token_ids), prompt_token_ids=list(self.prompt_ids),
+            finish_reason=self._finish_reason, rounds=tuple(self.round_stats), wall_time_s=wall,
+            prefill_time_s=self._prefill[0], prefill_forward_passes=self._prefill[1])

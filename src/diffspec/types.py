@@ -1,0 +1,182 @@
+"""Plain data passed between the engine, drafters, policies and callers.
+
+All configs and results are frozen dataclasses; tensors carry a shape comment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .errors import DiffspecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is turned into a token.
+
+    temperature == 0 means greedy (argmax); top_p in (0, 1]; top_k == 0 means no top-k cut.
+    seed makes sampling reproducible (one torch.Generator per request).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise DiffspecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            raise DiffspecError("temperature must be finite")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise DiffspecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise DiffspecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise DiffspecError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for one round.
+
+    tokens:      [k] int64, the drafted token ids (k may be 0).
+    probs:       [k, V] float, q(. | prefix) the distribution each token was drawn from, already
+                 processed with the request's SamplingParams; None means one-hot q (the drafter
+                 picked its tokens deterministically, e.g. prompt lookup or greedy drafting).
+    confidences: [k] float in [0, 1], the drafter's own confidence in each token (what
+                 speculation-length policies read).
+    forward_passes: drafter model forward passes spent on this draft.
+    """
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor]
+    confidences: torch.Tensor
+    forward_passes: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.tokens.shape[0]
+        if self.tokens.dim() != 1 or self.confidences.shape != (k,):
+            raise ValueError(f"Draft shapes disagree: tokens {tuple(self.tokens.shape)}, "
+                             f"confidences {tuple(self.confidences.shape)}")
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != k):
+            raise ValueError(f"Draft probs must be [k, V] with k={k}, got {tuple(self.probs.shape)}")
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> "Draft":
+        return Draft(torch.empty(0, dtype=torch.long, device=device), None,
+                     torch.empty(0, device=device), 0)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One draft -> verify -> accept round.
+
+    drafted:  tokens the drafter proposed.
+    accepted: drafted tokens the target accepted (a prefix of the draft).
+    emitted:  tokens appended to the output this round: accepted + the target's own token
+              (recovered or bonus), fewer if a stop token or the length limit cut the round.
+    """
+
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_time_s: float
+    verify_time_s: float
+    target_forward_passes: int
+    drafter_forward_passes: int
+    confidences: tuple = ()
+
+    @property
+    def wall_time_s(self) -> float:
+        return self.draft_time_s + self.verify_time_s
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The output of one request and how it was produced.
+
+    token_ids excludes the prompt and includes a final stop token when generation ended on one
+    (as transformers' generate does); text is decoded without special tokens.
+
+    mean_accepted_length counts the bonus token (vLLM's convention): it is emitted tokens per
+    round, so plain decoding scores 1.0 and a round that accepts all k drafted tokens scores k+1.
+    target_forward_passes includes the prefill pass.
+    """
+
+    text: str
+    token_ids: list
+    prompt_token_ids: list
+    finish_reason: str  # "stop" | "length"
+    rounds: tuple = field(default_factory=tuple)  # of RoundStats
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    prefill_forward_passes: int = 0
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(r.emitted for r in self.rounds) / max(1, len(self.rounds))
+
+    @property
+    def target_forward_passes(self) -> int:
+        return self.prefill_forward_passes + sum(r.target_forward_passes for r in self.rounds)
+
+    @property
+    def drafter_forward_passes(self) -> int:
+        return sum(r.drafter_forward_passes for r in self.rounds)
+
+    @property
+    def draft_time_s(self) -> float:
+        return sum(r.draft_time_s for r in self.rounds)
+
+    @property
+    def verify_time_s(self) -> float:
+        return sum(r.verify_time_s for r in self.rounds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def stats_dict(self) -> dict:
+        """The stable statistics keys of `diffspec generate --json` (other tools read them)."""
+        return {
+            "rounds": self.num_rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "target_forward_passes": self.target_forward_passes,
+            "drafter_forward_passes": self.drafter_forward_passes,
+            "wall_time_s": round(self.wall_time_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "draft_time_s": round(self.draft_time_s, 4),
+            "verify_time_s": round(self.verify_time_s, 4),
+            "prefill_time_s": round(self.prefill_time_s, 4),
+            "finish_reason": self.finish_reason,
+        }
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": list(self.token_ids),
+                "prompt_token_ids": list(self.prompt_token_ids), "stats": self.stats_dict()}

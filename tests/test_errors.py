@@ -1,0 +1,83 @@
+"""Bad input gets a clear error naming the problem: DiffspecError in Python, one line + exit 2 in the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_model, make_tokenizer
+from diffspec import AutoregressiveDrafter, DiffspecError, FixedPolicy, SpeculativeEngine, Target
+
+
+@pytest.fixture()
+def engine(target):
+    return SpeculativeEngine(target, None, FixedPolicy(4))
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n", []])
+def test_empty_prompt(engine, prompt):
+    with pytest.raises(DiffspecError, match="prompt is empty"):
+        engine.generate(prompt)
+
+
+@pytest.mark.parametrize("n", [0, -5, 1.5, True])
+def test_bad_max_new_tokens(engine, n):
+    with pytest.raises(DiffspecError, match="max_new_tokens"):
+        engine.generate([5, 6], max_new_tokens=n)
+
+
+def test_prompt_longer_than_context(tiny_model, tokenizer):
+    engine = SpeculativeEngine(Target(tiny_model, tokenizer, max_context=8), None)
+    with pytest.raises(DiffspecError, match="context of 8"):
+        engine.generate(list(range(5, 15)))
+
+
+def test_bad_token_ids(engine):
+    with pytest.raises(DiffspecError, match="token ids"):
+        engine.generate([5, 10**6])
+
+
+@pytest.mark.parametrize("spec", ["/no/such/model", "./missing-model", "missing.gguf"])
+def test_missing_model(spec):
+    with pytest.raises(DiffspecError, match="not found"):
+        Target.load(spec)
+
+
+def test_tokenizer_mismatch_is_refused(target):
+    other_tok = make_tokenizer(prefix="x")
+    drafter = AutoregressiveDrafter(make_model(len(other_tok), seed=2), other_tok)
+    with pytest.raises(DiffspecError, match="tokenizer mismatch"):
+        SpeculativeEngine(target, drafter)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "diffspec.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "w1", "--temperature", "-1"], "temperature"),
+    (["generate", "w1", "--top-p", "0"], "top_p"),
+    (["generate", "w1", "--top-p", "1.5"], "top_p"),
+    (["generate", "w1", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "w1", "--model", "/no/such/model"], "not found"),
+    (["generate", "w1 " * 40, "--raw", "--max-context", "16"], "context"),
+    (["generate", "w1", "--drafter", "nonsense"], "unknown drafter"),
+])
+def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):
+    if "--model" not in args:
+        args = args + ["--model", str(tiny_model_dir)]
+    proc = cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("diffspec: error:")]
+    assert len(lines) == 1 and word in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_tokenizer_mismatch(tiny_model_dir, tmp_path):
+    other_tok = make_tokenizer(prefix="x")
+    make_model(len(other_tok), seed=2).save_pretrained(tmp_path)
+    other_tok.save_pretrained(tmp_path)
+    proc = cli("generate", "w1 w2", "--model", str(tiny_model_dir), "--drafter", f"ar:{tmp_path}")
+    assert proc.returncode == 2 and "tokenizer mismatch" in proc.stderr and "Traceback" not in proc.stderr

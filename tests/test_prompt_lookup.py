@@ -1,0 +1,31 @@
+import torch
+
+from diffspec import FixedPolicy, PromptLookupDrafter, SamplingParams
+from diffspec.drafters.prompt_lookup import find_continuation
+
+
+def t(xs):
+    return torch.tensor(xs)
+
+
+def test_longest_ngram_latest_match():
+    # suffix [1, 2, 3]: the latest earlier 3-gram match starts at 4, continuation at 7
+    assert find_continuation(t([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]), 3, 1) == (7, 3)
+
+
+def test_falls_back_to_shorter_ngrams_and_no_match():
+    assert find_continuation(t([4, 7, 5, 6, 7]), 3, 1) == (2, 1)
+    assert find_continuation(t([4, 7, 5, 6, 7]), 3, 2) == (-1, 0)
+    assert find_continuation(t([1, 2, 3, 4]), 3, 1) == (-1, 0)
+    assert find_continuation(t([5]), 3, 1) == (-1, 0)
+
+
+def test_draft_copies_continuation_with_ngram_confidence():
+    d = PromptLookupDrafter(max_ngram=3)
+    draft = d.propose(t([1, 2, 3, 9, 8, 7, 1, 2, 3]), FixedPolicy(4), 100, SamplingParams(), None)
+    assert draft.tokens.tolist() == [9, 8, 7, 1]
+    assert draft.confidences.tolist() == [1.0] * 4 and draft.probs is None
+    short = d.propose(t([1, 2, 3, 9, 8, 7, 1, 2, 3]), FixedPolicy(40), 100, SamplingParams(), None)
+    assert short.tokens.tolist() == [9, 8, 7, 1, 2, 3]   # the context ends there
+    weak = d.propose(t([5, 6, 7, 5]), FixedPolicy(4), 100, SamplingParams(), None)
+    assert weak.tokens.tolist() == [6, 7, 5] and abs(weak.confidences[0].item() - 1 / 3) < 1e-6

