@@ -27,5 +27,22 @@ def test_draft_copies_continuation_with_ngram_confidence():
     assert draft.confidences.tolist() == [1.0] * 4 and draft.probs is None
     short = d.propose(t([1, 2, 3, 9, 8, 7, 1, 2, 3]), FixedPolicy(40), 100, SamplingParams(), None)
     assert short.tokens.tolist() == [9, 8, 7, 1, 2, 3]   # the context ends there
-    weak = d.propose(t([5, 6, 7, 5]), FixedPolicy(4), 100, SamplingParams(), None)
+    weak = PromptLookupDrafter(max_ngram=3, min_ngram=1).propose(t([5, 6, 7, 5]), FixedPolicy(4), 100, SamplingParams(), None)
     assert weak.tokens.tolist() == [6, 7, 5] and abs(weak.confidences[0].item() - 1 / 3) < 1e-6
+
+
+def test_confidence_learns_from_what_the_target_kept():
+    d = PromptLookupDrafter(max_ngram=3, min_ngram=2)
+    ctx = [1, 2, 3, 9, 8, 7, 6, 1, 2, 3]
+    first = d.propose(t(ctx), FixedPolicy(4), 100, SamplingParams(), None)
+    assert first.tokens.tolist() == [9, 8, 7, 6] and abs(first.confidences[0].item() - 1.0) < 1e-6  # prior 3/3
+    # the target rejected the very first drafted token (emitted 5 instead of 9)
+    rejected = d.propose(t(ctx + [5, 1, 2, 3]), FixedPolicy(4), 100, SamplingParams(), None)
+    c_low = rejected.confidences[0].item()
+    assert c_low < 0.7
+    # now the target keeps all four drafted tokens plus a bonus token
+    accepted_ctx = ctx + [5, 1, 2, 3] + rejected.tokens.tolist() + [4, 1, 2, 3]
+    again = d.propose(t(accepted_ctx), FixedPolicy(4), 100, SamplingParams(), None)
+    assert again.confidences[0].item() > c_low
+    d.begin(None)  # a new request forgets
+    assert abs(d.confidence(3) - 1.0) < 1e-6

@@ -44,7 +44,7 @@ class SpeculativeEngine:
 
     def __init__(self, target: Target, drafter: Optional[Drafter] = None, policy: Optional[LengthPolicy] = None):
         if drafter is not None:
-            drafter.check_compatible(target)
+            drafter.attach(target)
         self.target = target
         self.drafter = drafter
         self.policy = policy or FailFastPolicy()

@@ -16,7 +16,7 @@ from ..cache import cache_length, new_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
-from .base import Drafter, DrafterCapabilities, DraftBuilder
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
 
 
 class AutoregressiveDrafter(Drafter):
@@ -30,7 +30,7 @@ class AutoregressiveDrafter(Drafter):
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         self.device = next(model.parameters()).device
-        self.vocab_size: Optional[int] = None  # the target's, set by check_compatible
+        self.vocab_size: Optional[int] = None  # the target's, set by attach
         self._cache = new_cache(model.config)
         self._cached_ids: list = []  # the tokens whose keys/values are in _cache, in order
 
@@ -41,8 +41,8 @@ class AutoregressiveDrafter(Drafter):
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device)
         return cls(model, tok, name=f"ar:{spec}")
 
-    def check_compatible(self, target) -> None:
-        super().check_compatible(target)
+    def attach(self, target) -> None:
+        super().attach(target)
         self.vocab_size = target.vocab_size
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
@@ -55,12 +55,7 @@ class AutoregressiveDrafter(Drafter):
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True).logits[0, -1]
         self._cached_ids.extend(tokens)
-        v = self.vocab_size or logits.shape[-1]
-        if logits.shape[-1] > v:       # padded embedding rows are not tokens
-            logits = logits[:v]
-        elif logits.shape[-1] < v:     # ids the drafter cannot produce get probability 0
-            logits = torch.cat([logits, logits.new_full((v - logits.shape[-1],), float("-inf"))])
-        return logits
+        return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 
     def _sync_cache(self, context: list) -> list:
         """Keep the longest prefix of the cache that matches context; return tokens still to feed."""

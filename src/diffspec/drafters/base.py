@@ -40,8 +40,10 @@ class Drafter(ABC):
     target_layer_ids: tuple = ()           # target layers whose hidden states observe() receives
     tokenizer_fingerprint: Optional[str] = None  # None: works on ids of any tokenizer
 
-    def check_compatible(self, target) -> None:
-        """Refuse a target whose token ids mean something else than ours."""
+    def attach(self, target) -> None:
+        """Called once by the engine: check the target is compatible, keep what is needed of it.
+
+        The base check refuses a target whose token ids mean something else than ours."""
         mine, theirs = self.tokenizer_fingerprint, target.tokenizer_fingerprint
         if mine is not None and theirs is not None and mine != theirs:
             raise DiffspecError(f"tokenizer mismatch: drafter '{self.name}' (vocabulary {mine}) does not share "
@@ -60,6 +62,18 @@ class Drafter(ABC):
 
     def describe(self) -> str:
         return self.name
+
+
+def align_logits_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Drafter logits [..., V_d] -> [..., vocab_size]: drop rows the target has no token for
+    (padding, a drafter-only mask token), give target ids the drafter lacks probability 0."""
+    v = logits.shape[-1]
+    if v > vocab_size:
+        return logits[..., :vocab_size]
+    if v < vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
 
 
 class DraftBuilder:

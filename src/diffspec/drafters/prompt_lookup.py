@@ -1,7 +1,10 @@
 """Prompt lookup: copy what followed the latest earlier occurrence of the context's last n-gram.
 
-Training-free, no model. Confidence of every drafted token is (matched n-gram length / max_ngram):
-a 3-gram match is trusted fully, a 1-gram match a third, so FailFast stops early on weak matches.
+Training-free, no model. Confidence is calibrated on the request itself: for matches of n-gram
+length n it is the smoothed rate at which the target accepted earlier copied tokens from n-gram
+matches (prior n / max_ngram, worth `prior_weight` tokens). The drafter reads the outcome of its
+previous draft from the context it is handed next, so it needs no feedback hook. A long copy
+that keeps being accepted lets FailFast win big; copies that keep failing make it fail fast.
 """
 
 from __future__ import annotations
@@ -35,22 +38,49 @@ class PromptLookupDrafter(Drafter):
     capabilities = DrafterCapabilities(gives_probabilities=False, needs_target_hidden_states=False,
                                        keeps_own_cache=False)
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, prior_weight: float = 2.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram, self.min_ngram, self.prior_weight = max_ngram, min_ngram, prior_weight
+        self.begin(None)
+
+    def begin(self, prompt_ids) -> None:
+        self._outcomes = {}       # n -> [accepted tokens, judged tokens]
+        self._last = None         # (context length, drafted tokens, n) of the previous draft
+
+    def confidence(self, n: int) -> float:
+        accepted, judged = self._outcomes.get(n, (0, 0))
+        return (accepted + self.prior_weight * n / self.max_ngram) / (judged + self.prior_weight)
+
+    def _learn_from(self, context: torch.Tensor) -> None:
+        """Score the previous draft against what the target actually emitted after it."""
+        if self._last is None:
+            return
+        start, drafted, n = self._last
+        emitted = context[start: start + len(drafted) + 1].tolist()
+        accepted = 0
+        while accepted < min(len(drafted), len(emitted)) and emitted[accepted] == drafted[accepted]:
+            accepted += 1
+        judged = accepted + (1 if accepted < len(drafted) and len(emitted) > accepted else 0)
+        stats = self._outcomes.setdefault(n, [0, 0])
+        stats[0] += accepted
+        stats[1] += judged
+        self._last = None
 
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
                 sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        self._learn_from(context)
         start, n = find_continuation(context, self.max_ngram, self.min_ngram)
         builder = DraftBuilder()
         if start < 0:
             return builder.build(0, context.device)
-        confidence = n / self.max_ngram
+        confidence = self.confidence(n)
         source = context[start:].tolist()
         for k in builder.increments(policy, limit):
             for token in source[len(builder): len(builder) + k]:
                 builder.add(token, confidence)
+        if len(builder):
+            self._last = (int(context.shape[0]), list(builder.tokens), n)
         return builder.build(0, context.device)
 
     def describe(self) -> str:
