@@ -75,8 +75,36 @@ def test_sampled_output_matches_target_distribution(small_vocab_models, drafter_
                "random-uniform-q": lambda: RandomDrafter(V, seed=1, with_probs=True)}[drafter_kind]()
     engine = SpeculativeEngine(Target(model), drafter, FixedPolicy(3))
     counts = sample_counts(engine, params, SAMPLES)
-    stats = engine  # noqa: F841  (kept for debugging)
     assert chi_square_pvalue(counts, exact_joint(model, params)) > 1e-3
+
+
+def diffusion_drafter(kind, target):
+    from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig,
+                                   ConditionedDrafter, ConditionedDraftModel, MaskedDiffusionConfig,
+                                   MaskedDiffusionDrafter)
+
+    body = make_model(V + 1, seed=8, std=0.6)
+    if kind == "block":            # one step per sub-block: q is handed to rejection sampling
+        return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2))
+    if kind == "block-multistep":  # out-of-order unmasking: verified with one-hot q
+        return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=4,
+                                                                unmask_threshold=0.95))
+    if kind == "masked":
+        return MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=V, steps=2))
+    torch.manual_seed(8)
+    cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, block_size=4, num_features=2)
+    return ConditionedDrafter(ConditionedDraftModel(cfg).to(torch.float64))
+
+
+@pytest.mark.parametrize("kind, setting", [("block", "temperature"), ("block", "top_k"),
+                                           ("block-multistep", "temperature"), ("masked", "temperature"),
+                                           ("conditioned", "temperature"), ("conditioned", "top_p")])
+def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting):
+    model, _ = small_vocab_models
+    target = Target(model)
+    engine = SpeculativeEngine(target, diffusion_drafter(kind, target), FixedPolicy(3))
+    params = SETTINGS[setting]
+    assert chi_square_pvalue(sample_counts(engine, params, SAMPLES), exact_joint(model, params)) > 1e-3
 
 
 def test_drafts_were_really_accepted_and_rejected(small_vocab_models):

@@ -55,3 +55,18 @@ def test_sampling_runs_and_is_reproducible(smol):
     a = engine.generate(PROMPTS[0], max_new_tokens=24, sampling=sp)
     b = engine.generate(PROMPTS[0], max_new_tokens=24, sampling=sp)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+@pytest.mark.parametrize("kind", ["block-diffusion", "masked-diffusion", "conditioned"])
+def test_every_drafter_kind_with_failfast_is_lossless_on_smollm2(smol, kind):
+    import warnings
+
+    from diffspec import make_drafter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        drafter = make_drafter(kind, smol)
+    ids = smol.encode_prompt(PROMPTS[0])
+    r = SpeculativeEngine(smol, drafter, FailFastPolicy()).generate(ids, max_new_tokens=24)
+    assert r.token_ids == hf_greedy(smol, ids, 24)
+    assert r.drafter_forward_passes > 0

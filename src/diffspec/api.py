@@ -48,7 +48,7 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
     target = _TARGETS[key]
     pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **policy_options)
-    return SpeculativeEngine(target, make_drafter(drafter, dtype=torch_dtype, device=device), pol)
+    return SpeculativeEngine(target, make_drafter(drafter, target, dtype=torch_dtype, device=device), pol)
 
 
 def generate(prompt: Prompt, model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,

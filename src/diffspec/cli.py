@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from .errors import DiffspecError
@@ -53,8 +54,13 @@ def _generate(args) -> int:
     from .types import SamplingParams
 
     if args.list_drafters:
+        from .drafters import TRAINABLE_KINDS, weights_for
+        from .models import DEFAULT_MODEL
+
+        target_name = args.model or DEFAULT_MODEL
         for name, what in DRAFTER_NAMES.items():
-            print(f"{name:15s} {what}")
+            extra = f"  [{weights_for(name, target_name)}]" if name in TRAINABLE_KINDS else ""
+            print(f"{name:18s} {what}{extra}")
         return 0
     if args.prompt is None:
         raise DiffspecError("a prompt is required: diffspec generate \"PROMPT\"")
@@ -85,7 +91,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"diffspec: warning: {message}\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    warnings.formatwarning = _one_line_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

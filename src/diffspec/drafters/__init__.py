@@ -1,7 +1,12 @@
-"""Drafters, chosen by a stable name: `none`, `prompt-lookup`, `ar:PATH`."""
+"""Drafters, chosen by a stable name (other tools read these names):
+
+`none`, `prompt-lookup`, `block-diffusion`, `masked-diffusion`, `conditioned`, `ar:PATH`, a drafter
+folder, or a published layout `fast-dllm-v2:PATH` / `dream:PATH`.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -9,27 +14,61 @@ import torch
 from ..errors import DiffspecError
 from .autoregressive import AutoregressiveDrafter
 from .base import Drafter, DrafterCapabilities, DraftBuilder
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
+from .conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+from .masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTER_NAMES = {
     "none": "no drafter: plain autoregressive decoding through the same engine (the fair baseline)",
     "prompt-lookup": "n-gram copy from the prompt and the text so far (training-free)",
+    "block-diffusion": "block-diffusion dLLM (Fast-dLLM v2 semantics), FailFast's drafter",
+    "masked-diffusion": "masked-diffusion dLLM with T denoising steps (SpecDiff)",
+    "conditioned": "target-conditioned block drafter reading the target's hidden states (DFlash-style)",
     "ar:PATH": "an autoregressive draft model (folder, .gguf or hub id) sharing the target's tokenizer",
+    "PATH": "a drafter folder (config.json + model.safetensors) written by diffspec, or a DFlash checkpoint",
+    "fast-dllm-v2:PATH": "a Fast-dLLM v2 checkpoint (Qwen2 body, block 32, sub-block 8, shifted, mask 151665)",
+    "dream:PATH": "a Dream checkpoint (Qwen2 body, bidirectional, shifted, mask 151666)",
 }
+TRAINABLE_KINDS = ("block-diffusion", "masked-diffusion", "conditioned")
 
 
-def make_drafter(spec: Optional[str], dtype: torch.dtype = torch.float32, device: str = "cpu") -> Optional[Drafter]:
-    """A drafter from its name; None for 'none'."""
+def weights_for(kind: str, target_name: Optional[str]) -> str:
+    """Which weights `--drafter kind` would use for this target (for --list-drafters)."""
+    from ..checkpoint import shipped_drafter_path
+
+    path = shipped_drafter_path(target_name, kind)
+    return f"trained weights: {path}" if path else f"random init (no trained weights for {target_name})"
+
+
+def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> Optional[Drafter]:
+    """A drafter from its name; None for 'none'. Diffusion names need the target (shapes, shipped weights)."""
+    from ..checkpoint import PRESETS, load_drafter, random_drafter, shipped_drafter_path
+
     if spec is None or spec == "none":
         return None
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
-    if spec.startswith("ar:"):
-        if not spec[3:]:
+    if spec in TRAINABLE_KINDS:
+        if target is None:
+            raise DiffspecError(f"drafter '{spec}' needs the target to be built for")
+        shipped = shipped_drafter_path(target.name, spec)
+        return load_drafter(shipped, dtype, device) if shipped else random_drafter(spec, target, dtype=dtype)
+    prefix, sep, rest = spec.partition(":")
+    if prefix == "ar" and sep:
+        if not rest:
             raise DiffspecError("drafter 'ar:' needs a model: ar:PATH_OR_HUB_ID")
-        return AutoregressiveDrafter.load(spec[3:], dtype=dtype, device=device)
-    raise DiffspecError(f"unknown drafter '{spec}' (choose from: {', '.join(DRAFTER_NAMES)})")
+        return AutoregressiveDrafter.load(rest, dtype=dtype, device=device)
+    if prefix in PRESETS and rest:
+        return load_drafter(rest, dtype, device, preset=prefix)
+    if Path(spec).expanduser().is_dir():
+        return load_drafter(spec, dtype, device)
+    raise DiffspecError(f"unknown drafter '{spec}' (choose from: {', '.join(DRAFTER_NAMES)}; a PATH must be an "
+                        f"existing folder)")
 
 
 __all__ = ["Drafter", "DrafterCapabilities", "DraftBuilder", "PromptLookupDrafter", "AutoregressiveDrafter",
-           "make_drafter", "DRAFTER_NAMES"]
+           "BlockDiffusionDrafter", "BlockDiffusionConfig", "MaskedDiffusionDrafter", "MaskedDiffusionConfig",
+           "ConditionedDrafter", "ConditionedDraftModel", "ConditionedConfig", "make_drafter", "DRAFTER_NAMES",
+           "TRAINABLE_KINDS", "weights_for"]

@@ -1,0 +1,183 @@
+"""Block-diffusion drafter (Fast-dLLM v2 semantics; FailFast's drafter).
+
+The model is an ordinary transformers causal LM (Qwen2/Llama body) run with a block-causal
+attention mask (causal across blocks of `block_size`, bidirectional inside a block) and a mask
+token. A round:
+
+  1. keep the drafter's cache of finished blocks that still match the context (rolled back to the
+     last valid block boundary), and commit any complete context block not yet cached;
+  2. the active block = the context's partial block + mask tokens;
+  3. denoise sub-block by sub-block: one forward pass of the active block on the cached blocks per
+     step; in the current sub-block, unmask every masked position whose confidence (max
+     probability) exceeds `unmask_threshold`, and at least the most confident one;
+  4. the policy sees each token's confidence and widens the window or stops (FailFast); a window
+     that runs past the block end commits the full block to the cache (one more pass, as
+     Fast-dLLM v2 does) and continues in a new block.
+
+Logits are "shifted" (Fast-dLLM v2, Dream: position i is predicted from the logits at i-1) or not
+(LLaDA). Every forward pass is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..cache import new_cache, truncate_cache
+from ..policies.base import LengthPolicy
+from ..sampling import probs_from_logits, sample
+from ..types import Draft, SamplingParams
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .denoising import block_causal_mask, full_mask, left_to_right_steps, select_unmask
+
+
+@dataclass(frozen=True)
+class BlockDiffusionConfig:
+    mask_token_id: int
+    block_size: int = 32
+    sub_block_size: int = 8
+    unmask_threshold: float = 0.05
+    logit_shift: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.sub_block_size < 1 or self.block_size % self.sub_block_size:
+            raise ValueError(f"block_size ({self.block_size}) must be a positive multiple of sub_block_size "
+                             f"({self.sub_block_size})")
+
+
+def common_prefix_length(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class BlockDiffusionDrafter(Drafter):
+    capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
+                                       keeps_own_cache=True)
+
+    def __init__(self, model, config: BlockDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
+                 name: str = "block-diffusion", reuse_cache: bool = True):
+        self.model = model.eval()
+        self.config = config
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.reuse_cache = reuse_cache
+        self.device = next(model.parameters()).device
+        self.vocab_size: Optional[int] = None
+        self.begin(None)
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        self.vocab_size = target.vocab_size
+
+    def begin(self, prompt_ids) -> None:
+        self._cache = new_cache(self.model.config)
+        self._cached_ids: list = []       # tokens of the finished blocks in the cache
+        self._boundary_logits = None      # logits at the last cached position (predicts the next block's first token)
+        self._passes = 0
+
+    # --- model calls ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, tokens: list, mask: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        self._passes += 1
+        logits = self.model(input_ids=ids, attention_mask=mask, past_key_values=self._cache, use_cache=True).logits[0]
+        return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
+
+    def _commit(self, tokens: list) -> None:
+        """Append whole blocks to the cache (block-causal among themselves)."""
+        past = len(self._cached_ids)
+        logits = self._forward(tokens, block_causal_mask(len(tokens), past, self.config.block_size, self.device))
+        self._cached_ids.extend(tokens)
+        self._boundary_logits = logits[-1]
+
+    def _truncate(self, length: int) -> None:
+        truncate_cache(self._cache, length)
+        if length < len(self._cached_ids):
+            del self._cached_ids[length:]
+            self._boundary_logits = None
+
+    def _sync(self, context: list) -> int:
+        """Make the cache hold exactly the complete blocks of `context`; return its length."""
+        B = self.config.block_size
+        keep = common_prefix_length(self._cached_ids, context) if self.reuse_cache else 0
+        keep = min(keep // B, len(context) // B) * B
+        self._truncate(keep)
+        full = (len(context) // B) * B
+        if self.config.logit_shift and full == len(context) and full > 0 and self._boundary_logits is None \
+                and len(self._cached_ids) == full:
+            self._truncate(full - B)  # the next block's first token needs the last block's logits: recompute it
+        if full > len(self._cached_ids):
+            self._commit(context[len(self._cached_ids): full])
+        return len(self._cached_ids)
+
+    def _block_logits(self, block: list) -> torch.Tensor:
+        """One denoising step: the active block on the cache, which is left unchanged. -> [B, V]."""
+        past = len(self._cached_ids)
+        logits = self._forward(block, full_mask(len(block), past + len(block), self.device))
+        truncate_cache(self._cache, past)
+        return logits
+
+    # --- drafting ------------------------------------------------------------------------
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        cfg, B, b, MASK = self.config, self.config.block_size, self.config.sub_block_size, self.config.mask_token_id
+        self._passes = 0
+        ids = context.tolist()
+        start = self._sync(ids)
+        block = ids[start:] + [MASK] * (B - (len(ids) - start))
+        cursor = len(ids) - start          # block position of the next token to hand to the builder
+        unmasked: dict = {}                # block position -> (token, confidence, q row or None, step)
+        builder, steps, step = DraftBuilder(), [], 0
+        for k in builder.increments(policy, limit):
+            goal = len(builder) + k
+            while len(builder) < goal:
+                if cursor == B:            # the block is full: commit it and open a new one
+                    self._commit(block)
+                    block, cursor, unmasked = [MASK] * B, 0, {}
+                    continue
+                stop = min((cursor // b + 1) * b, cursor + goal - len(builder))  # sub-block end, capped by the window
+                masked = [i for i in range(cursor, stop) if block[i] == MASK]
+                logits = self._block_logits(block)
+                step += 1
+                rows = torch.stack([self._prediction_row(logits, i) for i in masked])
+                if sampling.greedy:
+                    probs = torch.softmax(rows.float(), dim=-1)
+                    conf, tokens = probs.max(dim=-1)
+                    q = None
+                else:
+                    q = probs_from_logits(rows, sampling)
+                    conf = q.max(dim=-1).values  # decided on max prob, not on the sampled token: no selection bias
+                    tokens = sample(q, generator)
+                for j in select_unmask(conf, cfg.unmask_threshold).tolist():
+                    block[masked[j]] = int(tokens[j])
+                    unmasked[masked[j]] = (int(tokens[j]), float(conf[j]), None if q is None else q[j], step)
+                while cursor < B and cursor in unmasked and len(builder) < goal:
+                    token, c, q_row, s = unmasked[cursor]
+                    builder.add(token, c, q_row)
+                    steps.append(s)
+                    cursor += 1
+        draft = builder.build(self._passes, context.device)
+        if draft.probs is not None and not left_to_right_steps(steps):
+            draft = Draft(draft.tokens, None, draft.confidences, draft.forward_passes)  # one-hot q: still exact
+        return draft
+
+    def _prediction_row(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """The logits row that predicts block position i."""
+        if not self.config.logit_shift:
+            return logits[i]
+        if i > 0:
+            return logits[i - 1]
+        if self._boundary_logits is None:
+            raise RuntimeError("shifted logits need the previous block's last logits")
+        return self._boundary_logits
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{self.name}(block {c.block_size}, sub-block {c.sub_block_size}, threshold {c.unmask_threshold}, "
+                f"{'shifted' if c.logit_shift else 'unshifted'})")

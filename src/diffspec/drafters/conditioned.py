@@ -1,0 +1,270 @@
+"""Target-conditioned block drafter (DFlash-style).
+
+A small stack of bidirectional transformer layers whose attention keys/values are prefixed with
+the target's own hidden states (several layers, concatenated, projected to the width by `fc` and
+normalised by `hidden_norm`). It shares the target's token embeddings and LM head (frozen, never
+stored in its file). One forward pass over a block [last accepted token, mask, ..., mask] drafts
+block_size - 1 tokens; all are drawn in that one step, so their q is valid for rejection sampling.
+
+The target's hidden states come for free from the verification pass: the engine hands the drafter
+those of every accepted position (`observe`). The drafter keeps, per layer, the keys/values of
+those context positions; they are verified tokens, so this cache never needs rolling back.
+
+Parameter names and config fields follow the DFlash checkpoint layout (layers.N.self_attn.q_proj,
+q_norm/k_norm, mlp.gate_proj, fc, hidden_norm, norm; Qwen3 config fields plus block_size,
+mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DFlash checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DiffspecError
+from ..policies.base import LengthPolicy
+from ..sampling import probs_from_logits, sample
+from ..types import Draft, SamplingParams
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+
+
+def default_target_layers(num_target_layers: int, count: int = 3) -> list:
+    """`count` layers evenly spaced from layer 1 to layer L-3 (for L=30, 3 -> [1, 14, 27])."""
+    if count == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, max(1, num_target_layers - 3)
+    return [round(lo + i * (hi - lo) / (count - 1)) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class ConditionedConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_target_layers: int
+    target_layer_ids: tuple
+    vocab_size: int
+    mask_token_id: int
+    num_hidden_layers: int = 1
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def for_target(cls, target_config, mask_token_id: int, num_hidden_layers: int = 1, block_size: int = 16,
+                   num_features: int = 3) -> "ConditionedConfig":
+        """Shapes copied from the target's config (width must equal the target's hidden size)."""
+        c = target_config.get_text_config(decoder=True)
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", heads) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   intermediate_size=c.intermediate_size, num_target_layers=c.num_hidden_layers,
+                   target_layer_ids=tuple(default_target_layers(c.num_hidden_layers, num_features)),
+                   vocab_size=c.vocab_size, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
+                   block_size=block_size, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+                   rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (half-split convention). x [heads, n, d], positions [n]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ConditionedConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], n_heads, self.cfg.head_dim).transpose(0, 1)  # [heads, n, d]
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Keys/values of context features ctx [c, h] at positions [c] -> ([kv, c, d], [kv, c, d])."""
+        k = self.k_norm(self._heads(self.k_proj(ctx), self.cfg.num_key_value_heads))
+        v = self._heads(self.v_proj(ctx), self.cfg.num_key_value_heads)
+        return rotary(k, positions, self.cfg.rope_theta), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [q, h] block states at positions [q]; past_k/v [kv, c, d] context. Bidirectional."""
+        cfg = self.cfg
+        q = rotary(self.q_norm(self._heads(self.q_proj(x), cfg.num_attention_heads)), positions, cfg.rope_theta)
+        k_new, v_new = self.context_kv(x, positions)
+        k = torch.cat([past_k, k_new], dim=1)
+        v = torch.cat([past_v, v_new], dim=1)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(cfg.head_dim))
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ConditionedConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ConditionedConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, past_k, past_v, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, past_k, past_v, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ConditionedDraftModel(nn.Module):
+    """The drafter network. Its own parameters only: embeddings and LM head are the target's."""
+
+    def __init__(self, cfg: ConditionedConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[c, len(target_layer_ids) * h] target features -> [c, h]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(self, block_embeddings: torch.Tensor, block_positions: torch.Tensor, context_kv: list,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """block_embeddings [q, h] at block_positions [q]; context_kv: per layer (k, v) [kv, c, d]."""
+        x = block_embeddings
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer(x, block_positions, k, v, attn_mask)
+        return self.norm(x)
+
+    def context_keys_values(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list:
+        ctx = self.project_context(target_hidden)
+        return [layer.self_attn.context_kv(ctx, positions) for layer in self.layers]
+
+
+class ConditionedDrafter(Drafter):
+    name = "conditioned"
+    capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=True,
+                                       keeps_own_cache=True)
+
+    def __init__(self, model: ConditionedDraftModel, tokenizer_fingerprint: Optional[str] = None,
+                 name: str = "conditioned"):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.target_layer_ids = tuple(model.cfg.target_layer_ids)
+        self._embed = self._head = None
+        self.vocab_size: Optional[int] = None
+        self.begin(None)
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        cfg = self.cfg
+        if cfg.hidden_size != target.hidden_size:
+            raise DiffspecError(f"conditioned drafter '{self.name}' has width {cfg.hidden_size}, the target's hidden "
+                                f"size is {target.hidden_size}: it was built for another target")
+        if max(cfg.target_layer_ids) >= target.num_layers:
+            raise DiffspecError(f"conditioned drafter reads target layers {list(cfg.target_layer_ids)}, the target "
+                                f"has {target.num_layers}")
+        self._embed = target.model.get_input_embeddings()
+        self._head = target.model.get_output_embeddings()
+        self.vocab_size = target.vocab_size
+
+    def begin(self, prompt_ids) -> None:
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        empty = torch.empty(self.cfg.num_key_value_heads, 0, self.cfg.head_dim, device=device, dtype=dtype)
+        self._kv = [(empty, empty) for _ in range(self.cfg.num_hidden_layers)]
+        self._context_len = 0  # positions whose target features are in _kv
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        if start != self._context_len:
+            raise RuntimeError(f"target features arrive for position {start}, expected {self._context_len}")
+        dtype = next(self.model.parameters()).dtype
+        positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
+        new = self.model.context_keys_values(hidden.to(dtype), positions)
+        self._kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(self._kv, new)]
+        self._context_len += hidden.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        cfg = self.cfg
+        anchor = context.shape[0] - 1  # the last token; the target has not processed it yet
+        if self._context_len != anchor:
+            raise RuntimeError(f"conditioned drafter has features for {self._context_len} positions, "
+                               f"context needs {anchor}: was the engine told to pass hidden states?")
+        dtype = next(self.model.parameters()).dtype
+        block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
+        block[0] = context[-1]
+        positions = torch.arange(anchor, anchor + cfg.block_size, device=context.device)
+        hidden = self.model(self._embed(block).to(dtype), positions, self._kv)
+        logits = align_logits_to_vocab(self._head(hidden[1:].to(self._head.weight.dtype)), self.vocab_size)
+        if sampling.greedy:
+            probs = torch.softmax(logits.float(), dim=-1)
+            conf, tokens = probs.max(dim=-1)
+            q = None
+        else:
+            q = probs_from_logits(logits, sampling)
+            tokens = sample(q, generator)
+            conf = q.gather(-1, tokens[:, None])[:, 0]
+        builder = DraftBuilder()
+        for k in builder.increments(policy, limit):
+            for i in range(len(builder), min(len(builder) + k, cfg.block_size - 1)):
+                builder.add(int(tokens[i]), float(conf[i]), None if q is None else q[i])
+        return builder.build(1, context.device)
+
+    def describe(self) -> str:
+        return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
+               f"target layers {list(self.cfg.target_layer_ids)})"

@@ -1,0 +1,107 @@
+"""Masked-diffusion drafter with T denoising steps (SpecDiff; Dream-style models).
+
+Append gamma mask tokens to the context and run T denoising steps over a fully bidirectional
+model, unmasking the ceil(gamma / T) most confident masked positions per step. With a policy that
+widens the window (FailFast), each increment appends its own mask tokens and gets its own T steps,
+the tokens already drafted staying fixed. Bidirectional attention means the context's keys depend
+on the masks, so there is no reusable cache: every step re-reads the context (the last
+`context_window` tokens of it).
+
+For rejection sampling, q of a token is the drafter's distribution at the step that unmasked it;
+when the unmasking order is not left to right, the draft falls back to one-hot q (exact, see
+denoising.py). Greedy drafts are argmax (one-hot q).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..policies.base import LengthPolicy
+from ..sampling import probs_from_logits, sample
+from ..types import Draft, SamplingParams
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .denoising import full_mask, left_to_right_steps, select_top
+
+
+@dataclass(frozen=True)
+class MaskedDiffusionConfig:
+    mask_token_id: int
+    steps: int = 4            # T denoising steps per increment
+    logit_shift: bool = True  # Dream: position i predicted from the logits at i-1
+    context_window: int = 512
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.context_window < 1:
+            raise ValueError("steps and context_window must be >= 1")
+
+
+class MaskedDiffusionDrafter(Drafter):
+    capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
+                                       keeps_own_cache=False)
+
+    def __init__(self, model, config: MaskedDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
+                 name: str = "masked-diffusion"):
+        self.model = model.eval()
+        self.config = config
+        self.name = name
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.device = next(model.parameters()).device
+        self.vocab_size: Optional[int] = None
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        self.vocab_size = target.vocab_size
+
+    @torch.inference_mode()
+    def _logits(self, seq: list, first_position: int) -> torch.Tensor:
+        ids = torch.tensor([seq], dtype=torch.long, device=self.device)
+        pos = torch.arange(first_position, first_position + len(seq), device=self.device).unsqueeze(0)
+        logits = self.model(input_ids=ids, attention_mask=full_mask(len(seq), len(seq), self.device),
+                            position_ids=pos, use_cache=False).logits[0]
+        return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
+
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        cfg, MASK = self.config, self.config.mask_token_id
+        ids = context.tolist()
+        first = max(0, len(ids) - cfg.context_window)
+        seq = ids[first:]
+        n_ctx = len(seq)
+        builder, steps, passes, step = DraftBuilder(), [], 0, 0
+        for k in builder.increments(policy, limit):
+            lo = len(builder)
+            seq += [MASK] * k
+            per_step = math.ceil(k / cfg.steps)
+            found: dict = {}
+            while len(found) < k:
+                logits = self._logits(seq, first)
+                passes += 1
+                step += 1
+                masked = [i for i in range(n_ctx + lo, n_ctx + lo + k) if seq[i] == MASK]
+                rows = torch.stack([logits[i - 1] if cfg.logit_shift else logits[i] for i in masked])
+                if sampling.greedy:
+                    probs = torch.softmax(rows.float(), dim=-1)
+                    conf, tokens = probs.max(dim=-1)
+                    q = None
+                else:
+                    q = probs_from_logits(rows, sampling)
+                    conf = q.max(dim=-1).values
+                    tokens = sample(q, generator)
+                for j in select_top(conf, per_step).tolist():
+                    seq[masked[j]] = int(tokens[j])
+                    found[masked[j]] = (int(tokens[j]), float(conf[j]), None if q is None else q[j], step)
+            for i in range(n_ctx + lo, n_ctx + lo + k):
+                token, c, q_row, s = found[i]
+                builder.add(token, c, q_row)
+                steps.append(s)
+        draft = builder.build(passes, context.device)
+        if draft.probs is not None and not left_to_right_steps(steps):
+            draft = Draft(draft.tokens, None, draft.confidences, draft.forward_passes)
+        return draft
+
+    def describe(self) -> str:
+        return f"{self.name}(T={self.config.steps}, {'shifted' if self.config.logit_shift else 'unshifted'})"

@@ -1,0 +1,154 @@
+"""The drafter folder format: save/load round trips, presets for published layouts, names, errors."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import make_model, make_tokenizer, reference_greedy
+from test_diffusion_drafters import conditioned_for, dllm
+from test_errors import cli
+from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
+from diffspec.checkpoint import load_drafter, save_drafter
+from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, MaskedDiffusionConfig,
+                               MaskedDiffusionDrafter, make_drafter)
+
+
+def drafts(drafter, target, context, policy=None):
+    drafter.attach(target)
+    drafter.begin(None)
+    if drafter.capabilities.needs_target_hidden_states:
+        out = Target(target.model).forward(torch.tensor(context[:-1]), hidden_layers=drafter.target_layer_ids)
+        drafter.observe(out.hidden_states, 0)
+    return drafter.propose(torch.tensor(context), policy or FixedPolicy(5), 100, SamplingParams(), None)
+
+
+def all_kinds(target, tokenizer):
+    v = len(tokenizer)
+    fp = target.tokenizer_fingerprint
+    return {
+        "block-diffusion": BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v, block_size=4,
+                                                                               sub_block_size=2), fp),
+        "masked-diffusion": MaskedDiffusionDrafter(dllm(v), MaskedDiffusionConfig(mask_token_id=v, steps=2), fp),
+        "conditioned": conditioned_for(target),
+    }
+
+
+@pytest.mark.parametrize("kind", ["block-diffusion", "masked-diffusion", "conditioned"])
+def test_save_load_round_trip_drafts_identically(tmp_path, target, tokenizer, kind):
+    drafter = all_kinds(target, tokenizer)[kind]
+    ctx = list(range(5, 19))
+    before = drafts(drafter, target, ctx)
+    path = save_drafter(drafter, tmp_path / kind, target_name="tiny", dtype=torch.float64)
+    meta = json.loads((path / "config.json").read_text())["diffspec"]
+    assert meta["kind"] == kind and meta["target"] == "tiny" and meta["format_version"] == 1
+    assert (path / "model.safetensors").is_file()
+    loaded = load_drafter(path, dtype=torch.float64)
+    after = drafts(loaded, target, ctx)
+    assert after.tokens.tolist() == before.tokens.tolist()
+    assert torch.allclose(after.confidences, before.confidences)
+
+
+def test_conditioned_folder_is_in_dflash_layout_without_target_weights(tmp_path, target):
+    path = save_drafter(conditioned_for(target), tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_target_layers"] == target.num_layers
+    assert set(cfg["dflash_config"]) == {"block_size", "mask_token_id", "target_layer_ids"}
+    from safetensors.torch import load_file
+    names = set(load_file(str(path / "model.safetensors")))
+    assert "fc.weight" in names and "layers.0.self_attn.q_norm.weight" in names and "hidden_norm.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)  # shared with the target, never stored
+
+
+def test_fp16_storage_loads_and_stays_lossless(tmp_path, target, tiny_model, tokenizer):
+    path = save_drafter(all_kinds(target, tokenizer)["block-diffusion"], tmp_path / "b16")  # default fp16
+    engine = SpeculativeEngine(target, load_drafter(path), FailFastPolicy())
+    assert engine.generate([5, 6, 7, 5, 6], max_new_tokens=20).token_ids == reference_greedy(tiny_model, [5, 6, 7, 5, 6], 20)
+
+
+def test_tokenizer_mismatch_refused_for_drafter_folder(tmp_path, target, tokenizer):
+    other = make_tokenizer(prefix="x")
+    v = len(tokenizer)
+    d = BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v), tokenizer_fingerprint="0" * 16)
+    path = save_drafter(d, tmp_path / "bad")
+    with pytest.raises(DiffspecError, match="tokenizer mismatch"):
+        SpeculativeEngine(target, load_drafter(path))
+
+
+@pytest.mark.parametrize("bad", ["missing", "noconfig", "foreign", "badkind"])
+def test_bad_drafter_folders_are_named(tmp_path, bad):
+    p = tmp_path / bad
+    if bad != "missing":
+        p.mkdir()
+    if bad == "foreign":
+        (p / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if bad == "badkind":
+        (p / "config.json").write_text(json.dumps({"diffspec": {"kind": "telepathy"}}))
+    with pytest.raises(DiffspecError) as e:
+        load_drafter(p)
+    assert str(p) in str(e.value) or "not found" in str(e.value)
+
+
+@pytest.mark.parametrize("preset, mask", [("fast-dllm-v2", 151665), ("dream", 151666)])
+def test_published_layout_presets(tmp_path, preset, mask):
+    """A tiny random checkpoint written in the published layout (Qwen2 config.json + safetensors)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = 151936
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / preset)
+    raw = json.loads((tmp_path / preset / "config.json").read_text())
+    raw["architectures"] = ["Fast_dLLM_QwenForCausalLM" if preset == "fast-dllm-v2" else "DreamModel"]
+    (tmp_path / preset / "config.json").write_text(json.dumps(raw))
+    drafter = make_drafter(f"{preset}:{tmp_path / preset}")
+    assert drafter.config.mask_token_id == mask
+    if preset == "fast-dllm-v2":
+        assert (drafter.config.block_size, drafter.config.sub_block_size, drafter.config.logit_shift) == (32, 8, True)
+    target_model = make_model(vocab, seed=1, hidden=16, max_pos=512)
+    target = Target(target_model)
+    prompt = [100, 200, 300, 100, 200]
+    r = SpeculativeEngine(target, drafter, FailFastPolicy()).generate(prompt, max_new_tokens=12, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(target_model, prompt, 12, stop_ids=())
+    assert r.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["block-diffusion", "masked-diffusion", "conditioned"])
+def test_registered_names_without_weights_run_random_with_a_warning(target, tiny_model, kind):
+    target.name = "tiny-without-shipped-weights"
+    with pytest.warns(UserWarning, match="random weights"):
+        drafter = make_drafter(kind, target, dtype=torch.float64)
+    r = SpeculativeEngine(target, drafter, FailFastPolicy()).generate([5, 6, 7, 8], max_new_tokens=15)
+    assert r.token_ids == reference_greedy(tiny_model, [5, 6, 7, 8], 15)
+
+
+@pytest.mark.parametrize("kind", ["block-diffusion", "masked-diffusion", "conditioned"])
+def test_cli_every_kind_with_failfast_matches_plain(tiny_model_dir, kind):
+    base = json.loads(cli("generate", "w5 w6 w7", "--model", str(tiny_model_dir), "--json", "--drafter", "none",
+                          "--max-new-tokens", "16").stdout)
+    proc = cli("generate", "w5 w6 w7", "--model", str(tiny_model_dir), "--json", "--drafter", kind,
+               "--policy", "failfast", "--max-new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == base["token_ids"]
+    assert out["stats"]["drafter_forward_passes"] > 0
+    assert "random weights" in proc.stderr
+
+
+def test_cli_drafter_folder(tiny_model_dir, tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+    target = Target(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer)
+    v = len(tokenizer)
+    path = save_drafter(BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v),
+                                              target.tokenizer_fingerprint), tmp_path / "folder")
+    base = json.loads(cli("generate", "w5 w6", "--model", str(tiny_model_dir), "--json", "--drafter", "none",
+                          "--max-new-tokens", "12").stdout)
+    proc = cli("generate", "w5 w6", "--model", str(tiny_model_dir), "--json", "--drafter", str(path),
+               "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == base["token_ids"]
+    listing = cli("generate", "--list-drafters", "--model", str(tiny_model_dir)).stdout
+    for name in ("block-diffusion", "masked-diffusion", "conditioned", "fast-dllm-v2:PATH", "dream:PATH"):
+        assert name in listing

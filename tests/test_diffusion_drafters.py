@@ -1,0 +1,199 @@
+"""Diffusion drafters: greedy equivalence for every kind x policy, masks, cache reuse, unmasking rules."""
+
+import pytest
+import torch
+
+from conftest import make_model, reference_greedy
+from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
+from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
+                               ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
+from diffspec.drafters.denoising import block_causal_mask, full_mask, left_to_right_steps, select_top, select_unmask
+from diffspec.policies import failfast_next_increment
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6], list(range(11, 31)), [30]]
+
+
+def dllm(vocab_size, seed=3, std=0.5):
+    """A tiny random diffusion body: the target's vocabulary plus one mask token (id = vocab_size)."""
+    return make_model(vocab_size + 1, seed=seed, std=std)
+
+
+def conditioned_for(target, seed=4, block_size=6, layers=1):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, num_hidden_layers=layers,
+                                           block_size=block_size, num_features=2)
+        model = ConditionedDraftModel(cfg).to(torch.float64)
+        for p in model.parameters():  # larger weights: peakier drafts, so some get accepted
+            p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    return ConditionedDrafter(model)
+
+
+def make(kind, target, tokenizer_size):
+    v = tokenizer_size
+    if kind == "block":
+        return BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v, block_size=8, sub_block_size=4))
+    if kind == "block-unshifted-multistep":
+        return BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v, block_size=4, sub_block_size=2,
+                                                                   unmask_threshold=0.5, logit_shift=False))
+    if kind == "masked":
+        return MaskedDiffusionDrafter(dllm(v), MaskedDiffusionConfig(mask_token_id=v, steps=2))
+    if kind == "masked-unshifted":
+        return MaskedDiffusionDrafter(dllm(v), MaskedDiffusionConfig(mask_token_id=v, steps=3, logit_shift=False,
+                                                                     context_window=6))
+    if kind == "conditioned":
+        return conditioned_for(target)
+    raise ValueError(kind)
+
+
+KINDS = ["block", "block-unshifted-multistep", "masked", "masked-unshifted", "conditioned"]
+POLICIES = {
+    "fixed4": lambda: FixedPolicy(4),
+    "fixed13": lambda: FixedPolicy(13),                            # crosses block boundaries
+    "failfast": lambda: FailFastPolicy(),
+    "failfast-extend": lambda: FailFastPolicy(tau=0.0, n=3, n_max=11),  # always widens: several windows
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equivalence(target, tiny_model, tokenizer, kind, policy):
+    engine = SpeculativeEngine(target, make(kind, target, len(tokenizer)), POLICIES[policy]())
+    drafted = 0
+    for prompt in PROMPTS:
+        r = engine.generate(prompt, max_new_tokens=30)
+        assert r.token_ids == reference_greedy(tiny_model, prompt, 30), (kind, policy, prompt)
+        drafted += r.drafted_tokens
+        assert r.drafter_forward_passes > 0
+    assert drafted > 0
+
+
+def test_target_as_its_own_block_drafter_accepts_everything(target, tiny_model, tokenizer):
+    """With block size 1 the block-causal mask is the causal mask: a block drafter whose body is the
+    target (plus a mask row) drafts exactly the target's tokens, so every draft must be accepted."""
+    v = len(tokenizer)
+    body = make_model(v + 1, seed=9)
+    with torch.no_grad():
+        own = dict(body.named_parameters())
+        for name, p in tiny_model.named_parameters():
+            own[name][: p.shape[0]].copy_(p)
+    drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=v, block_size=1, sub_block_size=1))
+    r = SpeculativeEngine(target, drafter, FixedPolicy(6)).generate(PROMPTS[1], max_new_tokens=40, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 40, stop_ids=())
+    assert r.accepted_tokens == r.drafted_tokens > 0
+
+
+def test_block_causal_mask_edges():
+    m = block_causal_mask(q_len=6, past_len=2, block_size=4)[0, 0]  # queries at positions 2..7
+    assert m.shape == (6, 8)
+    assert m[0].tolist() == [True] * 4 + [False] * 4     # position 2 (block 0) sees block 0 only, both ways
+    assert m[1].tolist() == [True] * 4 + [False] * 4     # position 3: last of block 0
+    assert m[2].tolist() == [True] * 8                   # position 4: first of block 1 sees blocks 0 and 1
+    assert m[5].tolist() == [True] * 8
+    assert full_mask(2, 5).all() and full_mask(2, 5).shape == (1, 1, 2, 5)
+
+
+def test_cached_forward_of_finished_blocks_equals_uncached(tokenizer):
+    from diffspec.cache import new_cache
+
+    model = dllm(len(tokenizer))
+    ids = torch.randint(4, 60, (1, 12))
+    B = 4
+    whole = model(input_ids=ids, attention_mask=block_causal_mask(12, 0, B)).logits
+    cache = new_cache(model.config)
+    parts = []
+    for s in range(0, 12, B):
+        parts.append(model(input_ids=ids[:, s:s + B], attention_mask=block_causal_mask(B, s, B),
+                           past_key_values=cache, use_cache=True).logits)
+    assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-10)
+    causal = model(input_ids=ids).logits
+    assert not torch.allclose(causal, whole)  # the mask really changes attention inside blocks
+
+
+def test_cache_reuse_saves_passes_and_changes_nothing(target, tiny_model, tokenizer):
+    v = len(tokenizer)
+    body = dllm(v)
+    results = {}
+    for reuse in (True, False):
+        drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=v, block_size=4, sub_block_size=2),
+                                        reuse_cache=reuse)
+        results[reuse] = SpeculativeEngine(target, drafter, FixedPolicy(6)).generate(PROMPTS[1], max_new_tokens=40)
+    assert results[True].token_ids == results[False].token_ids == reference_greedy(tiny_model, PROMPTS[1], 40)
+    assert results[True].drafter_forward_passes < results[False].drafter_forward_passes
+
+
+def test_sub_block_unmask_rule():
+    assert select_unmask(torch.tensor([0.2, 0.01, 0.9, 0.06]), 0.05).tolist() == [0, 2, 3]
+    assert select_unmask(torch.tensor([0.2, 0.01, 0.3]), 0.5).tolist() == [2]  # at least the most confident
+    assert select_unmask(torch.tensor([0.04]), 0.05).tolist() == [0]
+    assert select_top(torch.tensor([0.2, 0.7, 0.1, 0.9]), 2).tolist() == [1, 3]
+    assert select_top(torch.tensor([0.2]), 5).tolist() == [0]
+
+
+def test_left_to_right_steps():
+    assert left_to_right_steps([1, 1, 2, 2, 3])
+    assert left_to_right_steps([])
+    assert not left_to_right_steps([1, 2, 1])
+
+
+class RecordingPolicy(FailFastPolicy):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def next_increment(self, confidences):
+        self.calls.append(tuple(confidences))
+        return super().next_increment(confidences)
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.05, 0.12, 0.3, 1.0])
+def test_block_drafter_stops_where_failfast_says(target, tokenizer, tau):
+    """The drafter hands the policy its real confidences; the draft ends exactly where Algorithm 1 says."""
+    v = len(tokenizer)
+    drafter = BlockDiffusionDrafter(dllm(v, std=0.8), BlockDiffusionConfig(mask_token_id=v, block_size=8,
+                                                                          sub_block_size=4))
+    drafter.attach(target)
+    drafter.begin(None)
+    policy = RecordingPolicy(tau=tau, n=3, n_max=14)
+    draft = drafter.propose(torch.tensor(PROMPTS[1]), policy, 100, SamplingParams(), None)
+    conf = draft.confidences.tolist()
+    expected = 0
+    while (k := failfast_next_increment(conf[:expected], tau, 3, 14)) > 0:
+        expected += k
+    assert len(draft) == expected
+    assert list(policy.calls[-1]) == pytest.approx(conf)
+    assert all(0 < c <= 1 for c in conf)
+
+
+def test_conditioned_drafter_requires_matching_width(target, tokenizer):
+    from diffspec import DiffspecError
+
+    cfg = ConditionedConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                            intermediate_size=64, num_target_layers=2, target_layer_ids=(0, 1), vocab_size=64,
+                            mask_token_id=3)
+    with pytest.raises(DiffspecError, match="width"):
+        SpeculativeEngine(target, ConditionedDrafter(ConditionedDraftModel(cfg)))
+
+
+def test_conditioned_drafter_sees_exactly_the_accepted_positions(target, tokenizer):
+    drafter = conditioned_for(target)
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(5))
+    r = engine.generate(PROMPTS[0], max_new_tokens=25, stop_token_ids=[])
+    # every position but the last emitted token has had its target features handed over
+    assert drafter._context_len == len(PROMPTS[0]) + len(r.token_ids) - 1
+    assert r.drafter_forward_passes == sum(1 for x in r.rounds if x.drafted)  # one pass drafts a whole block
+
+
+def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
+    v = len(tokenizer)
+    ctx = torch.tensor(PROMPTS[1])
+    sp = SamplingParams(temperature=1.0, seed=0)
+    one_step = BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v, block_size=8, sub_block_size=4))
+    one_step.attach(target)
+    d = one_step.propose(ctx, FixedPolicy(8), 100, sp, torch.Generator().manual_seed(0))
+    assert d.probs is not None and d.probs.shape == (8, v)
+    multi = BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v, block_size=8, sub_block_size=8,
+                                                               unmask_threshold=0.99))
+    multi.attach(target)
+    d = multi.propose(ctx, FixedPolicy(8), 100, sp, torch.Generator().manual_seed(0))
+    assert d.probs is None and len(d) == 8 and d.forward_passes >= 2
