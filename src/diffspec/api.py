@@ -47,8 +47,11 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     if key not in _TARGETS:
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
     target = _TARGETS[key]
+    drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device)
+    if policy_options.get("gamma") is None and drafter_obj is not None:
+        policy_options["gamma"] = drafter_obj.default_gamma
     pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **policy_options)
-    return SpeculativeEngine(target, make_drafter(drafter, target, dtype=torch_dtype, device=device), pol)
+    return SpeculativeEngine(target, drafter_obj, pol)
 
 
 def generate(prompt: Prompt, model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,

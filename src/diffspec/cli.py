@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help=f"target: registered name, folder, .gguf file or hub id (default {DEFAULT_MODEL})")
     g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"one of: {', '.join(DRAFTER_NAMES)} (default {DEFAULT_DRAFTER})")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=["fixed", "failfast"], help=f"speculation length (default {DEFAULT_POLICY})")
-    g.add_argument("--gamma", type=int, default=8, help="fixed policy: tokens drafted per round (default 8)")
+    g.add_argument("--gamma", type=int, default=None,
+                   help="fixed policy: tokens drafted per round (default: the drafter's; 16 for masked-diffusion, 8 else)")
     g.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
     g.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
     g.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")

@@ -39,6 +39,7 @@ class Drafter(ABC):
     capabilities: DrafterCapabilities = DrafterCapabilities()
     target_layer_ids: tuple = ()           # target layers whose hidden states observe() receives
     tokenizer_fingerprint: Optional[str] = None  # None: works on ids of any tokenizer
+    default_gamma: int = 8                 # the fixed policy's draft length when the user names none
 
     def attach(self, target) -> None:
         """Called once by the engine: check the target is compatible, keep what is needed of it.

@@ -203,6 +203,7 @@ class ConditionedDrafter(Drafter):
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.target_layer_ids = tuple(model.cfg.target_layer_ids)
+        self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
         self._embed = self._head = None
         self.vocab_size: Optional[int] = None
         self.begin(None)

@@ -40,6 +40,7 @@ class MaskedDiffusionConfig:
 
 
 class MaskedDiffusionDrafter(Drafter):
+    default_gamma = 16  # SpecDiff: 16 masks, T = 4 steps
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
                                        keeps_own_cache=False)
 
