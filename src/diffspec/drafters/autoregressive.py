@@ -14,9 +14,8 @@ import torch
 
 from ..cache import cache_length, new_cache, truncate_cache
 from ..policies.base import LengthPolicy
-from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
-from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 
 
 class AutoregressiveDrafter(Drafter):
@@ -75,18 +74,11 @@ class AutoregressiveDrafter(Drafter):
         builder = DraftBuilder()
         passes = 0
         pending = self._sync_cache(context.tolist())
-        logits = None
         for k in builder.increments(policy, limit):
             for _ in range(k):
-                logits = self._forward(pending)
+                drawn = draw_tokens(self._forward(pending).unsqueeze(0), sampling, generator)
                 passes += 1
-                if sampling.greedy:
-                    probs = torch.softmax(logits.float(), dim=-1)
-                    token = int(probs.argmax())
-                    builder.add(token, float(probs[token]))
-                else:
-                    q = probs_from_logits(logits.unsqueeze(0), sampling)[0]
-                    token = int(sample(q.unsqueeze(0), generator)[0])
-                    builder.add(token, float(q[token]), q)
+                token = int(drawn.tokens[0])
+                builder.add(token, float(drawn.token_prob[0]), None if drawn.q is None else drawn.q[0])
                 pending = [token]
         return builder.build(passes, context.device)

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
+from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
 
 
@@ -75,6 +76,26 @@ def align_logits_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor
         pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
     return logits
+
+
+@dataclass(frozen=True)
+class DrawnTokens:
+    tokens: torch.Tensor        # [n] int64 (indices into the logits' last dimension)
+    token_prob: torch.Tensor    # [n] probability of each drawn token under q (softmax at T=1 when greedy)
+    max_prob: torch.Tensor      # [n] largest probability of each row (does not depend on the draw)
+    q: Optional[torch.Tensor]   # [n, V] the distribution drawn from; None when greedy (one-hot q)
+
+
+def draw_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: Optional[torch.Generator]) -> DrawnTokens:
+    """One token per row of logits [n, V]: argmax when greedy, else a draw from q = the request's
+    temperature/top-k/top-p applied to the drafter's logits."""
+    if sampling.greedy:
+        probs = torch.softmax(logits.float(), dim=-1)
+        max_prob, tokens = probs.max(dim=-1)
+        return DrawnTokens(tokens, max_prob, max_prob, None)
+    q = probs_from_logits(logits, sampling)
+    tokens = sample(q, generator)
+    return DrawnTokens(tokens, q.gather(-1, tokens[:, None])[:, 0], q.max(dim=-1).values, q)
 
 
 class DraftBuilder:

@@ -27,9 +27,8 @@ import torch
 
 from ..cache import new_cache, truncate_cache
 from ..policies.base import LengthPolicy
-from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
-from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from .denoising import block_causal_mask, full_mask, left_to_right_steps, select_unmask
 
 
@@ -145,15 +144,9 @@ class BlockDiffusionDrafter(Drafter):
                 masked = [i for i in range(cursor, stop) if block[i] == MASK]
                 logits = self._block_logits(block)
                 step += 1
-                rows = torch.stack([self._prediction_row(logits, i) for i in masked])
-                if sampling.greedy:
-                    probs = torch.softmax(rows.float(), dim=-1)
-                    conf, tokens = probs.max(dim=-1)
-                    q = None
-                else:
-                    q = probs_from_logits(rows, sampling)
-                    conf = q.max(dim=-1).values  # decided on max prob, not on the sampled token: no selection bias
-                    tokens = sample(q, generator)
+                drawn = draw_tokens(torch.stack([self._prediction_row(logits, i) for i in masked]), sampling, generator)
+                # unmasking is decided on the max probability, never on the drawn token: no selection bias
+                conf, tokens, q = drawn.max_prob, drawn.tokens, drawn.q
                 for j in select_unmask(conf, cfg.unmask_threshold).tolist():
                     block[masked[j]] = int(tokens[j])
                     unmasked[masked[j]] = (int(tokens[j]), float(conf[j]), None if q is None else q[j], step)

@@ -27,9 +27,8 @@ from torch import nn
 
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
-from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
-from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 
 
 def default_target_layers(num_target_layers: int, count: int = 3) -> list:
@@ -56,10 +55,11 @@ class ConditionedConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    draft_vocab: int = 0      # > 0: draft only from these many target tokens (ids in the model's draft_token_ids)
 
     @classmethod
     def for_target(cls, target_config, mask_token_id: int, num_hidden_layers: int = 1, block_size: int = 16,
-                   num_features: int = 3) -> "ConditionedConfig":
+                   num_features: int = 3, draft_vocab: int = 0) -> "ConditionedConfig":
         """Shapes copied from the target's config (width must equal the target's hidden size)."""
         c = target_config.get_text_config(decoder=True)
         heads = c.num_attention_heads
@@ -72,7 +72,7 @@ class ConditionedConfig:
                    vocab_size=c.vocab_size, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
                    block_size=block_size, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
                    rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192))
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192), draft_vocab=draft_vocab)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -173,6 +173,15 @@ class ConditionedDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.draft_vocab:  # the target token ids the drafter may propose (a reduced draft vocabulary)
+            self.register_buffer("draft_token_ids", torch.arange(cfg.draft_vocab, dtype=torch.long))
+
+    def head_weight(self, full_head_weight: torch.Tensor) -> torch.Tensor:
+        """Rows of the shared LM head the drafter scores: all, or those of the draft vocabulary."""
+        return full_head_weight[self.draft_token_ids] if self.cfg.draft_vocab else full_head_weight
+
+    def to_target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        return self.draft_token_ids[index] if self.cfg.draft_vocab else index
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[c, len(target_layer_ids) * h] target features -> [c, h]."""
@@ -204,7 +213,7 @@ class ConditionedDrafter(Drafter):
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.target_layer_ids = tuple(model.cfg.target_layer_ids)
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
-        self._embed = self._head = None
+        self._embed = self._head_weight = None
         self.vocab_size: Optional[int] = None
         self.begin(None)
 
@@ -218,7 +227,7 @@ class ConditionedDrafter(Drafter):
             raise DiffspecError(f"conditioned drafter reads target layers {list(cfg.target_layer_ids)}, the target "
                                 f"has {target.num_layers}")
         self._embed = target.model.get_input_embeddings()
-        self._head = target.model.get_output_embeddings()
+        self._head_weight = self.model.head_weight(target.model.get_output_embeddings().weight.detach())
         self.vocab_size = target.vocab_size
 
     def begin(self, prompt_ids) -> None:
@@ -251,15 +260,14 @@ class ConditionedDrafter(Drafter):
         block[0] = context[-1]
         positions = torch.arange(anchor, anchor + cfg.block_size, device=context.device)
         hidden = self.model(self._embed(block).to(dtype), positions, self._kv)
-        logits = align_logits_to_vocab(self._head(hidden[1:].to(self._head.weight.dtype)), self.vocab_size)
-        if sampling.greedy:
-            probs = torch.softmax(logits.float(), dim=-1)
-            conf, tokens = probs.max(dim=-1)
-            q = None
-        else:
-            q = probs_from_logits(logits, sampling)
-            tokens = sample(q, generator)
-            conf = q.gather(-1, tokens[:, None])[:, 0]
+        logits = hidden[1:].to(self._head_weight.dtype) @ self._head_weight.T  # [B-1, draft vocab or V]
+        if not cfg.draft_vocab:
+            logits = align_logits_to_vocab(logits, self.vocab_size)
+        drawn = draw_tokens(logits, sampling, generator)
+        conf, q = drawn.token_prob, drawn.q
+        if q is not None and cfg.draft_vocab:  # q over the full vocabulary: zero outside the draft vocabulary
+            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.model.draft_token_ids, q)
+        tokens = self.model.to_target_ids(drawn.tokens)
         builder = DraftBuilder()
         for k in builder.increments(policy, limit):
             for i in range(len(builder), min(len(builder) + k, cfg.block_size - 1)):

@@ -21,9 +21,8 @@ from typing import Optional
 import torch
 
 from ..policies.base import LengthPolicy
-from ..sampling import probs_from_logits, sample
 from ..types import Draft, SamplingParams
-from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab
+from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from .denoising import full_mask, left_to_right_steps, select_top
 
 
@@ -84,14 +83,8 @@ class MaskedDiffusionDrafter(Drafter):
                 step += 1
                 masked = [i for i in range(n_ctx + lo, n_ctx + lo + k) if seq[i] == MASK]
                 rows = torch.stack([logits[i - 1] if cfg.logit_shift else logits[i] for i in masked])
-                if sampling.greedy:
-                    probs = torch.softmax(rows.float(), dim=-1)
-                    conf, tokens = probs.max(dim=-1)
-                    q = None
-                else:
-                    q = probs_from_logits(rows, sampling)
-                    conf = q.max(dim=-1).values
-                    tokens = sample(q, generator)
+                drawn = draw_tokens(rows, sampling, generator)
+                conf, tokens, q = drawn.max_prob, drawn.tokens, drawn.q
                 for j in select_top(conf, per_step).tolist():
                     seq[masked[j]] = int(tokens[j])
                     found[masked[j]] = (int(tokens[j]), float(conf[j]), None if q is None else q[j], step)

@@ -1,0 +1,1 @@
+"""Training drafters for a target from the target's own outputs (`diffspec train-drafter`)."""

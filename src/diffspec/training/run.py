@@ -1,0 +1,252 @@
+"""`diffspec train-drafter`: target + corpus -> an aligned drafter folder.
+
+Steps (each resumable: the data cache and the checkpoint live in the output folder):
+  1. corpus -> conversations, minus anything that overlaps the evaluation prompt sets;
+  2. the target answers `--generate` of the prompts itself (alignment data), within a share of
+     the time budget; more conversations are rendered as teacher-forced text;
+  3. one target pass per sequence caches hidden states and the target's own next tokens;
+  4. train until --steps, --max-time or --max-tokens (supervised slots), checkpointing every
+     `checkpoint_every_s`; a killed run restarts from the checkpoint with --resume;
+  5. held-out acceptance before/after, the drafter folder, train_log.jsonl, loss.png, training.json.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..checkpoint import save_drafter
+from ..drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+from ..errors import DiffspecError
+from .conditioned import (ConditionedTrainConfig, block_loss, choose_draft_vocab, held_out_acceptance,
+                          init_from_target, lr_at, sample_step)
+from .data import drop_evaluation_overlap, evaluation_prompts, load_corpus
+from .features import SequenceFeatures, extract_features, generate_responses, render_conversation, render_prompt
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    out: str
+    target: Optional[str] = None
+    kind: str = "conditioned"
+    corpus: str = "sharegpt"
+    generate: int = 256             # prompts the target answers itself (alignment data)
+    corpus_sequences: int = 256     # conversations used as teacher-forced text
+    response_tokens: int = 192      # max new tokens per generated answer
+    seq_len: int = 512              # max tokens per training sequence
+    data_time_share: float = 0.4    # at most this share of --max-time goes to generating answers
+    max_time: Optional[float] = None    # seconds for the whole command
+    max_tokens: Optional[int] = None    # supervised slots
+    steps: Optional[int] = None
+    block_size: int = 8
+    layers: int = 1
+    anchors: int = 32
+    sequences_per_step: int = 2
+    lr: float = 6e-4
+    objective: str = "target"
+    seed: int = 0
+    device: str = "cpu"
+    resume: bool = False
+    checkpoint_every_s: float = 60.0
+    mask_token_id: Optional[int] = None
+    draft_vocab: int = 8192         # 0 = the full vocabulary
+    init_from_target: bool = True
+    quiet: bool = False
+
+
+def _say(req: TrainRequest, msg: str) -> None:
+    if not req.quiet:
+        print(f"diffspec train-drafter: {msg}", file=sys.stderr, flush=True)
+
+
+def _validate(req: TrainRequest) -> None:
+    if req.kind not in ("conditioned", "block"):
+        raise DiffspecError(f"unknown drafter kind '{req.kind}' (choose from: block, conditioned)")
+    if req.kind == "block":
+        raise DiffspecError("--kind block training is not implemented yet; use --kind conditioned")
+    if req.objective not in ("target", "corpus"):
+        raise DiffspecError(f"unknown objective '{req.objective}' (choose from: target, corpus)")
+    if req.steps is None and req.max_time is None and req.max_tokens is None:
+        raise DiffspecError("give a budget: --steps, --max-time or --max-tokens")
+    if req.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    if req.block_size < 2 or req.layers < 1 or req.anchors < 1:
+        raise DiffspecError("need --block-size >= 2, --layers >= 1, --anchors >= 1")
+
+
+def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) -> dict:
+    """Conversations -> generated + teacher-forced sequences -> cached target features."""
+    tok = target.tokenizer
+    convs = load_corpus(req.corpus)
+    convs, dropped = drop_evaluation_overlap(convs, evaluation_prompts())
+    random.Random(req.seed).shuffle(convs)
+    _say(req, f"corpus: {len(convs)} conversations ({dropped} dropped for overlapping evaluation prompts)")
+    prompts = [p for p in (render_prompt(tok, c, req.seq_len // 2) for c in convs[: req.generate]) if p]
+    t0 = time.time()
+    gen_deadline = None if deadline is None else t0 + req.data_time_share * (deadline - t0)
+    generated = generate_responses(target.model, tok, prompts, req.response_tokens, batch_size=16,
+                                   stop_ids=sorted(target.stop_token_ids), deadline=gen_deadline,
+                                   progress=lambda i, n: _say(req, f"target answers {i}/{n}") if i % 64 == 0 else None)
+    gen_tokens = sum(len(s) - p for s, p in generated)
+    _say(req, f"target generated {len(generated)} answers ({gen_tokens} tokens) in {time.time() - t0:.0f} s")
+    teacher = [render_conversation(tok, c, req.seq_len) for c in convs[req.generate: req.generate + req.corpus_sequences]]
+    teacher = [(ids, start) for ids, start in teacher if len(ids) - start > 8]
+    held = max(2, len(generated) // 20) if len(generated) >= 8 else 0
+    t1 = time.time()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    feats = extract_features(target.model, generated + teacher, layer_ids, batch_size=8, pad_id=pad)
+    by_len = {}
+    for f in feats:
+        by_len.setdefault(len(f.tokens), []).append(f)
+    # keep generated sequences identifiable (extract_features sorts by length): match by token content
+    gen_keys = {tuple(s) for s, _ in generated}
+    aligned = [f for f in feats if tuple(f.tokens.tolist()) in gen_keys]
+    other = [f for f in feats if tuple(f.tokens.tolist()) not in gen_keys]
+    _say(req, f"target features for {len(feats)} sequences in {time.time() - t1:.0f} s")
+    return {"train": aligned[held:] + other, "held_out": aligned[:held],
+            "stats": {"generated_sequences": len(generated), "generated_tokens": gen_tokens,
+                      "teacher_forced_sequences": len(teacher),
+                      "teacher_forced_tokens": sum(len(i) - s for i, s in teacher),
+                      "evaluation_overlap_dropped": dropped, "corpus": req.corpus}}
+
+
+def _save_plot(log: list, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in log], [r["loss"] for r in log], lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted CE")
+    ax.set_title("drafter training loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train_drafter(req: TrainRequest) -> dict:
+    from ..target import Target
+
+    _validate(req)
+    t_start = time.time()
+    deadline = t_start + req.max_time if req.max_time else None
+    out = Path(req.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(req.seed)
+    target = Target.load(req.target, device=req.device, quiet=req.quiet)
+    mask = req.mask_token_id if req.mask_token_id is not None else (target.tokenizer.pad_token_id or 0)
+    draft_vocab = req.draft_vocab if 0 < req.draft_vocab < target.vocab_size else 0
+    cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask, num_hidden_layers=req.layers,
+                                       block_size=req.block_size, draft_vocab=draft_vocab)
+    tcfg = ConditionedTrainConfig(anchors_per_sequence=req.anchors, sequences_per_step=req.sequences_per_step,
+                                  lr=req.lr, objective=req.objective)
+    data_file = out / "data.pt"
+    if data_file.is_file():
+        data = torch.load(data_file, weights_only=False)
+        data = {k: ([SequenceFeatures(**d) for d in v] if k in ("train", "held_out") else v) for k, v in data.items()}
+        _say(req, f"reusing cached target features in {data_file}")
+    else:
+        data = build_data(req, target, cfg.target_layer_ids, deadline)
+        torch.save({k: ([f.to_dict() for f in v] if k in ("train", "held_out") else v) for k, v in data.items()},
+                   data_file)
+    if not data["train"]:
+        raise DiffspecError("no training sequences: the corpus is too small or the budget too short")
+
+    model = ConditionedDraftModel(cfg).to(req.device)
+    coverage = 1.0
+    if draft_vocab:
+        ids, coverage = choose_draft_vocab(data["train"], draft_vocab, always=sorted(target.stop_token_ids))
+        cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
+        model = ConditionedDraftModel(cfg).to(req.device)
+        model.draft_token_ids.copy_(ids)
+        _say(req, f"draft vocabulary: {ids.shape[0]} tokens cover {100 * coverage:.1f}% of the target's choices")
+    copied = init_from_target(model, target.model) if req.init_from_target else 0
+    embed = target.model.get_input_embeddings()
+    head_w = target.model.get_output_embeddings().weight.detach()
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    state = {"step": 0, "tokens": 0, "elapsed": 0.0, "log": []}
+    ckpt = out / "checkpoint.pt"
+    if req.resume and ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        _say(req, f"resumed from {ckpt} at step {state['step']}")
+    before = held_out_acceptance(model, data["held_out"], embed, head_w) if data["held_out"] else None
+    rng = random.Random(req.seed * 1000003 + state["step"])
+    last_ckpt = time.time()
+    t_loop = time.time() - state["elapsed"]
+
+    def progress() -> float:
+        fr = [state["step"] / req.steps if req.steps else 0.0,
+              state["tokens"] / req.max_tokens if req.max_tokens else 0.0,
+              (time.time() - t_start) / req.max_time if req.max_time else 0.0]
+        return max(fr)
+
+    def checkpoint() -> None:
+        state["elapsed"] = time.time() - t_loop
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+
+    model.train()
+    while progress() < 1.0:
+        lr = lr_at(progress(), tcfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        total, slots, accs = 0.0, 0, []
+        opt.zero_grad(set_to_none=True)
+        batch = sample_step(rng, data["train"], tcfg)
+        for seq, anchors in batch:
+            loss, n, acc = block_loss(model, seq, anchors, embed, head_w, tcfg.objective, tcfg.slot_decay)
+            (loss / len(batch)).backward()
+            total += float(loss.detach()) / len(batch)
+            slots += n
+            accs.append(acc)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        opt.step()
+        state["step"] += 1
+        state["tokens"] += slots
+        elapsed = time.time() - t_loop
+        state["log"].append({"step": state["step"], "loss": round(total, 4), "slot1_acc": round(sum(accs) / len(accs), 3),
+                             "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 1)})
+        if not req.quiet and state["step"] % 20 == 0:
+            print(f"\rstep {state['step']}  loss {total:.3f}  slot-1 acc {state['log'][-1]['slot1_acc']:.2f}  "
+                  f"{state['tokens'] / max(elapsed, 1e-6):.0f} tok/s  {100 * progress():.0f}%",
+                  end="", file=sys.stderr, flush=True)
+        if time.time() - last_ckpt > req.checkpoint_every_s:
+            checkpoint()
+            last_ckpt = time.time()
+    checkpoint()
+    if not req.quiet:
+        print(file=sys.stderr)
+    model.eval()
+    after = held_out_acceptance(model, data["held_out"], embed, head_w) if data["held_out"] else None
+    record = {"request": asdict(req), "data": data["stats"], "steps": state["step"], "supervised_tokens": state["tokens"],
+              "train_seconds": round(state["log"][-1]["elapsed_s"], 1) if state["log"] else 0.0,
+              "wall_seconds": round(time.time() - t_start, 1), "init_tensors_from_target": copied,
+              "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": round(coverage, 4),
+              "held_out_mean_accepted_length_before": before, "held_out_mean_accepted_length_after": after,
+              "final_loss": state["log"][-1]["loss"] if state["log"] else None,
+              "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__}}
+    drafter = ConditionedDrafter(model.to(torch.float32), target.tokenizer_fingerprint)
+    save_drafter(drafter, out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
+                 training=record)
+    with open(out / "train_log.jsonl", "w") as f:
+        for row in state["log"]:
+            f.write(json.dumps(row) + "\n")
+    (out / "training.json").write_text(json.dumps(record, indent=1))
+    _save_plot(state["log"], out / "loss.png")
+    _say(req, f"done: {state['step']} steps, held-out mean accepted length {before} -> {after}; "
+              f"drafter in {out / 'drafter'}")
+    return record

@@ -1,0 +1,112 @@
+"""train-drafter on a tiny target and a tiny corpus: the loss falls, the drafter reloads, resume resumes."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import reference_greedy
+from diffspec import FixedPolicy, SpeculativeEngine, Target
+from diffspec.checkpoint import load_drafter
+from diffspec.training.data import drop_evaluation_overlap, iter_json_array, load_corpus
+from diffspec.training.run import TrainRequest, train_drafter
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "chats.jsonl"
+    with open(path, "w") as f:
+        for _ in range(40):
+            user = " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(3, 9)))
+            reply = " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(5, 15)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    return path
+
+
+def request(tmp, model_dir, corpus, **kw):
+    base = dict(out=str(tmp), target=str(model_dir), corpus=str(corpus), generate=12, corpus_sequences=12,
+                response_tokens=16, seq_len=64, block_size=4, anchors=8, sequences_per_step=2, lr=3e-3,
+                quiet=True, checkpoint_every_s=0.0)
+    base.update(kw)
+    return TrainRequest(**base)
+
+
+def test_training_lowers_the_loss_and_writes_everything(tmp_path, tiny_model_dir, corpus):
+    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=60))
+    log = [json.loads(l) for l in open(tmp_path / "train_log.jsonl")]
+    assert len(log) == 60
+    first = sum(r["loss"] for r in log[:10]) / 10
+    last = sum(r["loss"] for r in log[-10:]) / 10
+    assert last < first * 0.9, (first, last)
+    for name in ("drafter/config.json", "drafter/model.safetensors", "loss.png", "training.json", "checkpoint.pt"):
+        assert (tmp_path / name).is_file(), name
+    assert record["data"]["generated_sequences"] > 0
+    assert record["held_out_mean_accepted_length_after"] >= 1.0
+
+
+def test_saved_drafter_reloads_identically_and_stays_lossless(tmp_path, tiny_model_dir, corpus):
+    train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=5))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    target = Target(model, AutoTokenizer.from_pretrained(tiny_model_dir))
+    outs = []
+    for _ in range(2):
+        engine = SpeculativeEngine(target, load_drafter(tmp_path / "drafter"), FixedPolicy(3))
+        outs.append(engine.generate([5, 6, 7, 8, 9], max_new_tokens=20, stop_token_ids=[]))
+    assert outs[0].token_ids == outs[1].token_ids == reference_greedy(model, [5, 6, 7, 8, 9], 20, stop_ids=())
+    assert [r.drafted for r in outs[0].rounds] == [r.drafted for r in outs[1].rounds]
+
+
+def test_resume_continues_from_the_checkpoint_step(tmp_path, tiny_model_dir, corpus):
+    train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=8))
+    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=14, resume=True))
+    log = [json.loads(l) for l in open(tmp_path / "train_log.jsonl")]
+    assert record["steps"] == 14 and [r["step"] for r in log] == list(range(1, 15))
+
+
+def test_truncated_json_array_is_read_element_by_element():
+    text = '[{"a": 1}, {"b": 2},\n {"c": [3, 4' # cut off mid-element, as the ShareGPT file is
+    assert list(iter_json_array(text)) == [{"a": 1}, {"b": 2}]
+
+
+def test_corpus_files_and_evaluation_overlap(tmp_path):
+    txt = tmp_path / "notes.txt"
+    txt.write_text("first paragraph\n\nsecond paragraph\n")
+    assert [c[0]["content"] for c in load_corpus(str(txt))] == ["first paragraph", "second paragraph"]
+    convs = [[{"role": "user", "content": "def add(a, b):\n    return a + b"}], [{"role": "user", "content": "hello"}]]
+    kept, dropped = drop_evaluation_overlap(convs, ["def add(a, b):   return a + b"])
+    assert dropped == 1 and kept == convs[1:]
+
+
+def test_bad_requests_are_named(tmp_path, tiny_model_dir, corpus):
+    from diffspec import DiffspecError
+    with pytest.raises(DiffspecError, match="budget"):
+        train_drafter(request(tmp_path, tiny_model_dir, corpus))
+    with pytest.raises(DiffspecError, match="corpus not found"):
+        train_drafter(request(tmp_path, tiny_model_dir, tmp_path / "nope.jsonl", steps=1))
+
+
+def test_reduced_draft_vocabulary_drafts_only_its_tokens(tmp_path, tiny_model_dir, corpus):
+    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=10, draft_vocab=16))
+    assert record["draft_vocab"] == 16 and 0 < record["draft_vocab_coverage"] <= 1
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from diffspec import SamplingParams
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    target = Target(model, AutoTokenizer.from_pretrained(tiny_model_dir))
+    drafter = load_drafter(tmp_path / "drafter")
+    allowed = set(drafter.model.draft_token_ids.tolist())
+    assert len(allowed) == 16
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(3))
+    r = engine.generate([5, 6, 7, 8, 9], max_new_tokens=20, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(model, [5, 6, 7, 8, 9], 20, stop_ids=())
+    drafter.begin(None)
+    ctx = torch.tensor([5, 6, 7, 8, 9])
+    drafter.observe(Target(model).forward(ctx[:-1], hidden_layers=drafter.target_layer_ids).hidden_states, 0)
+    d = drafter.propose(ctx, FixedPolicy(3), 10, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert set(d.tokens.tolist()) <= allowed
+    outside = torch.ones(d.probs.shape[1], dtype=torch.bool)
+    outside[list(allowed)] = False
+    assert torch.all(d.probs[:, outside] == 0) and torch.allclose(d.probs.sum(-1), torch.ones(3, dtype=d.probs.dtype))
