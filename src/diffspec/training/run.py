@@ -28,6 +28,8 @@ from ..errors import DiffspecError
 from .conditioned import (ConditionedTrainConfig, block_loss, choose_draft_vocab, held_out_acceptance,
                           init_from_target, lr_at, sample_step)
 from .data import drop_evaluation_overlap, evaluation_prompts, load_corpus
+from ..drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
+from .block import block_diffusion_loss, block_held_out_acceptance, make_block_body
 from .features import SequenceFeatures, extract_features, generate_responses, render_conversation, render_prompt
 
 
@@ -69,8 +71,6 @@ def _say(req: TrainRequest, msg: str) -> None:
 def _validate(req: TrainRequest) -> None:
     if req.kind not in ("conditioned", "block"):
         raise DiffspecError(f"unknown drafter kind '{req.kind}' (choose from: block, conditioned)")
-    if req.kind == "block":
-        raise DiffspecError("--kind block training is not implemented yet; use --kind conditioned")
     if req.objective not in ("target", "corpus"):
         raise DiffspecError(f"unknown objective '{req.objective}' (choose from: target, corpus)")
     if req.steps is None and req.max_time is None and req.max_tokens is None:
@@ -162,19 +162,10 @@ def train_drafter(req: TrainRequest) -> dict:
     if not data["train"]:
         raise DiffspecError("no training sequences: the corpus is too small or the budget too short")
 
-    model = ConditionedDraftModel(cfg).to(req.device)
-    coverage = 1.0
-    if draft_vocab:
-        ids, coverage = choose_draft_vocab(data["train"], draft_vocab, always=sorted(target.stop_token_ids))
-        cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
-        model = ConditionedDraftModel(cfg).to(req.device)
-        model.draft_token_ids.copy_(ids)
-        _say(req, f"draft vocabulary: {ids.shape[0]} tokens cover {100 * coverage:.1f}% of the target's choices")
-    copied = init_from_target(model, target.model) if req.init_from_target else 0
-    embed = target.model.get_input_embeddings()
-    head_w = target.model.get_output_embeddings().weight.detach()
     for p in target.model.parameters():
         p.requires_grad_(False)
+    trainer = (ConditionedTrainer if req.kind == "conditioned" else BlockTrainer)(req, target, cfg, tcfg, data)
+    model = trainer.model
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     state = {"step": 0, "tokens": 0, "elapsed": 0.0, "log": []}
     ckpt = out / "checkpoint.pt"
@@ -184,7 +175,7 @@ def train_drafter(req: TrainRequest) -> dict:
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         _say(req, f"resumed from {ckpt} at step {state['step']}")
-    before = held_out_acceptance(model, data["held_out"], embed, head_w) if data["held_out"] else None
+    before = trainer.held_out() if data["held_out"] else None
     rng = random.Random(req.seed * 1000003 + state["step"])
     last_ckpt = time.time()
     t_loop = time.time() - state["elapsed"]
@@ -206,9 +197,11 @@ def train_drafter(req: TrainRequest) -> dict:
             g["lr"] = lr
         total, slots, accs = 0.0, 0, []
         opt.zero_grad(set_to_none=True)
-        batch = sample_step(rng, data["train"], tcfg)
-        for seq, anchors in batch:
-            loss, n, acc = block_loss(model, seq, anchors, embed, head_w, tcfg.objective, tcfg.slot_decay)
+        batch = trainer.batch(rng)
+        for item in batch:
+            loss, n, acc = trainer.loss(item)
+            if loss is None:
+                continue
             (loss / len(batch)).backward()
             total += float(loss.detach()) / len(batch)
             slots += n
@@ -218,7 +211,7 @@ def train_drafter(req: TrainRequest) -> dict:
         state["step"] += 1
         state["tokens"] += slots
         elapsed = time.time() - t_loop
-        state["log"].append({"step": state["step"], "loss": round(total, 4), "slot1_acc": round(sum(accs) / len(accs), 3),
+        state["log"].append({"step": state["step"], "loss": round(total, 4), "slot1_acc": round(sum(accs) / max(1, len(accs)), 3),
                              "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 1)})
         if not req.quiet and state["step"] % 20 == 0:
             print(f"\rstep {state['step']}  loss {total:.3f}  slot-1 acc {state['log'][-1]['slot1_acc']:.2f}  "
@@ -231,16 +224,14 @@ def train_drafter(req: TrainRequest) -> dict:
     if not req.quiet:
         print(file=sys.stderr)
     model.eval()
-    after = held_out_acceptance(model, data["held_out"], embed, head_w) if data["held_out"] else None
+    after = trainer.held_out() if data["held_out"] else None
     record = {"request": asdict(req), "data": data["stats"], "steps": state["step"], "supervised_tokens": state["tokens"],
               "train_seconds": round(state["log"][-1]["elapsed_s"], 1) if state["log"] else 0.0,
-              "wall_seconds": round(time.time() - t_start, 1), "init_tensors_from_target": copied,
-              "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": round(coverage, 4),
+              "wall_seconds": round(time.time() - t_start, 1), **trainer.record,
               "held_out_mean_accepted_length_before": before, "held_out_mean_accepted_length_after": after,
               "final_loss": state["log"][-1]["loss"] if state["log"] else None,
               "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__}}
-    drafter = ConditionedDrafter(model.to(torch.float32), target.tokenizer_fingerprint)
-    save_drafter(drafter, out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
+    save_drafter(trainer.drafter(), out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
                  training=record)
     with open(out / "train_log.jsonl", "w") as f:
         for row in state["log"]:
@@ -250,3 +241,70 @@ def train_drafter(req: TrainRequest) -> dict:
     _say(req, f"done: {state['step']} steps, held-out mean accepted length {before} -> {after}; "
               f"drafter in {out / 'drafter'}")
     return record
+
+
+class ConditionedTrainer:
+    """Target-conditioned drafter: anchors with target features strictly before them."""
+
+    def __init__(self, req: TrainRequest, target, cfg: ConditionedConfig, tcfg: ConditionedTrainConfig, data: dict):
+        self.req, self.target, self.tcfg, self.data = req, target, tcfg, data
+        coverage = 1.0
+        if cfg.draft_vocab:
+            ids, coverage = choose_draft_vocab(data["train"], cfg.draft_vocab, always=sorted(target.stop_token_ids))
+            cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
+        self.model = ConditionedDraftModel(cfg).to(req.device)
+        if cfg.draft_vocab:
+            self.model.draft_token_ids.copy_(ids)
+            _say(req, f"draft vocabulary: {cfg.draft_vocab} tokens cover {100 * coverage:.1f}% of the target's choices")
+        copied = init_from_target(self.model, target.model) if req.init_from_target else 0
+        self.embed = target.model.get_input_embeddings()
+        self.head_w = target.model.get_output_embeddings().weight.detach()
+        self.record = {"init_tensors_from_target": copied, "draft_vocab": cfg.draft_vocab,
+                       "draft_vocab_coverage": round(coverage, 4)}
+
+    def batch(self, rng: random.Random) -> list:
+        return sample_step(rng, self.data["train"], self.tcfg)
+
+    def loss(self, item) -> tuple:
+        seq, anchors = item
+        return block_loss(self.model, seq, anchors, self.embed, self.head_w, self.tcfg.objective, self.tcfg.slot_decay)
+
+    def held_out(self) -> float:
+        return held_out_acceptance(self.model, self.data["held_out"], self.embed, self.head_w)
+
+    def drafter(self):
+        return ConditionedDrafter(self.model.to(torch.float32), self.target.tokenizer_fingerprint)
+
+
+class BlockTrainer:
+    """Standalone block-diffusion drafter: two-copy masked block objective (training/block.py)."""
+
+    def __init__(self, req: TrainRequest, target, cfg: ConditionedConfig, tcfg: ConditionedTrainConfig, data: dict):
+        self.req, self.target, self.tcfg, self.data = req, target, tcfg, data
+        self.model, self.mask_id = make_block_body(target.model, req.layers)
+        self.model.to(req.device).train()
+        self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
+                       "layers": req.layers, "mask_token_id": self.mask_id}
+
+    def batch(self, rng: random.Random) -> list:
+        train = self.data["train"]
+        return [(train[rng.randrange(len(train))], rng) for _ in range(self.tcfg.sequences_per_step)]
+
+    def loss(self, item) -> tuple:
+        seq, rng = item
+        loss, n = block_diffusion_loss(self.model, seq, self.req.block_size, self.mask_id, self.tcfg.objective, rng,
+                                       max_len=self.req.seq_len)
+        return loss, n, 0.0
+
+    def drafter(self):
+        return BlockDiffusionDrafter(self.model.float().eval(), BlockDiffusionConfig(
+            mask_token_id=self.mask_id, block_size=self.req.block_size,
+            sub_block_size=min(8, self.req.block_size)), self.target.tokenizer_fingerprint)
+
+    def held_out(self) -> float:
+        was_training = self.model.training
+        d = self.drafter()
+        d.attach(self.target)
+        value = block_held_out_acceptance(d, self.data["held_out"])
+        self.model.train(was_training)
+        return value
