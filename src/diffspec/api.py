@@ -21,7 +21,7 @@ from .policies import LengthPolicy, make_policy
 from .target import Target
 from .types import GenerationResult, SamplingParams
 
-DEFAULT_DRAFTER = "prompt-lookup"
+DEFAULT_DRAFTER = "auto"  # the shipped trained drafter for the target if any, else prompt-lookup
 DEFAULT_POLICY = "failfast"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -165,6 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
     parser.error(f"unknown command {args.command}")
     return 2
 

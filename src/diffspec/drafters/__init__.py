@@ -20,6 +20,7 @@ from .masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTER_NAMES = {
+    "auto": "the default: the shipped trained drafter for this target if there is one, else prompt-lookup",
     "none": "no drafter: plain autoregressive decoding through the same engine (the fair baseline)",
     "prompt-lookup": "n-gram copy from the prompt and the text so far (training-free)",
     "block-diffusion": "block-diffusion dLLM (Fast-dLLM v2 semantics), FailFast's drafter",
@@ -41,6 +42,13 @@ def weights_for(kind: str, target_name: Optional[str]) -> str:
     return f"trained weights: {path}" if path else f"random init (no trained weights for {target_name})"
 
 
+def default_drafter_name(target_name: Optional[str]) -> str:
+    """What `auto` means for a target: its shipped conditioned drafter, else prompt lookup."""
+    from ..checkpoint import shipped_drafter_path
+
+    return "conditioned" if shipped_drafter_path(target_name, "conditioned") else "prompt-lookup"
+
+
 def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> Optional[Drafter]:
     """A drafter from its name; None for 'none'. Diffusion names need the target (shapes, shipped weights)."""
@@ -48,6 +56,8 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
 
     if spec is None or spec == "none":
         return None
+    if spec == "auto":
+        spec = default_drafter_name(target.name if target is not None else None)
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
     if spec in TRAINABLE_KINDS:
