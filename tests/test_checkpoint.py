@@ -152,3 +152,16 @@ def test_cli_drafter_folder(tiny_model_dir, tmp_path, tokenizer):
     listing = cli("generate", "--list-drafters", "--model", str(tiny_model_dir)).stdout
     for name in ("block-diffusion", "masked-diffusion", "conditioned", "fast-dllm-v2:PATH", "dream:PATH"):
         assert name in listing
+
+
+def test_fp16_storage_keeps_token_ids_exact(tmp_path, target):
+    """Regression: the draft-vocabulary ids were cast to fp16 with the weights and lost precision above 2048."""
+    from diffspec.drafters import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+    cfg = ConditionedConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=64, num_target_layers=2, target_layer_ids=(0, 1), vocab_size=50000,
+                            mask_token_id=3, draft_vocab=64)
+    model = ConditionedDraftModel(cfg)
+    ids = torch.arange(49000, 49064)  # not representable in fp16
+    model.draft_token_ids.copy_(ids)
+    path = save_drafter(ConditionedDrafter(model), tmp_path / "ids")  # fp16 weights by default
+    assert torch.equal(load_drafter(path).model.draft_token_ids, ids)

@@ -67,16 +67,20 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
         meta.update(mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, logit_shift=False,
                     draft_vocab=cfg.draft_vocab)
         config = dflash_config_dict(cfg, dtype)
-        state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.model.state_dict().items()}
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_stored(drafter.model.state_dict(), dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     else:
-        state = {k: v.detach().to(dtype) for k, v in drafter.model.state_dict().items()}
-        drafter.model.save_pretrained(path, state_dict=state)
+        drafter.model.save_pretrained(path, state_dict=_stored(drafter.model.state_dict(), dtype))
         config = json.loads((path / "config.json").read_text())
         meta.update(asdict(drafter.config))
     config["diffspec"] = meta
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _stored(state: dict, dtype: torch.dtype) -> dict:
+    """Floating tensors in the storage dtype; integer tensors (token ids) untouched: fp16 cannot
+    hold integers above 2048 exactly."""
+    return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous() for k, v in state.items()}
 
 
 def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:
