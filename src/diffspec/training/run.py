@@ -109,6 +109,7 @@ def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) 
     gen_keys = {tuple(s) for s, _ in generated}
     aligned = [f for f in feats if tuple(f.tokens.tolist()) in gen_keys]
     other = [f for f in feats if tuple(f.tokens.tolist()) not in gen_keys]
+    random.Random(req.seed).shuffle(aligned)  # features come sorted by length: hold out a random sample, not the shortest
     _say(req, f"target features for {len(feats)} sequences in {time.time() - t1:.0f} s")
     return {"train": aligned[held:] + other, "held_out": aligned[:held],
             "stats": {"generated_sequences": len(generated), "generated_tokens": gen_tokens,
