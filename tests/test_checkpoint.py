@@ -1,12 +1,11 @@
 """The drafter folder format: save/load round trips, presets for published layouts, names, errors."""
 
 import json
-import warnings
 
 import pytest
 import torch
 
-from conftest import make_model, make_tokenizer, reference_greedy
+from conftest import make_model, reference_greedy
 from test_diffusion_drafters import conditioned_for, dllm
 from test_errors import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
@@ -68,7 +67,6 @@ def test_fp16_storage_loads_and_stays_lossless(tmp_path, target, tiny_model, tok
 
 
 def test_tokenizer_mismatch_refused_for_drafter_folder(tmp_path, target, tokenizer):
-    other = make_tokenizer(prefix="x")
     v = len(tokenizer)
     d = BlockDiffusionDrafter(dllm(v), BlockDiffusionConfig(mask_token_id=v), tokenizer_fingerprint="0" * 16)
     path = save_drafter(d, tmp_path / "bad")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_model, reference_greedy
-from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
+from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
                                ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
 from diffspec.drafters.denoising import block_causal_mask, full_mask, left_to_right_steps, select_top, select_unmask

@@ -4,10 +4,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from conftest import make_model, reference_greedy
+from conftest import reference_greedy
 from helpers import RandomDrafter, ScriptedDrafter
-from diffspec import (AutoregressiveDrafter, FailFastPolicy, FixedPolicy, PromptLookupDrafter, SamplingParams,
-                      SpeculativeEngine)
+from diffspec import AutoregressiveDrafter, FailFastPolicy, FixedPolicy, PromptLookupDrafter, SpeculativeEngine
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6],          # repetitive: prompt lookup finds matches

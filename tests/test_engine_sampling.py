@@ -5,8 +5,6 @@ generated tokens; a chi-square test compares it with the engine's samples, for e
 (q given, one-hot q, uniform q) and for temperature, top-p and top-k.
 """
 
-import itertools
-
 import numpy as np
 import pytest
 import torch

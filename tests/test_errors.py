@@ -1,6 +1,5 @@
 """Bad input gets a clear error naming the problem: DiffspecError in Python, one line + exit 2 in the CLI."""
 
-import json
 import subprocess
 import sys
 

@@ -1,7 +1,6 @@
 """Acceptance rules as pure tensor functions: worked examples and a seeded statistical test."""
 
 import numpy as np
-import pytest
 import torch
 from scipy.stats import chisquare
 

@@ -18,7 +18,7 @@ mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DF
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch

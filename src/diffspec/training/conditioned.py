@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,6 @@ def block_batch(model: ConditionedDraftModel, seq: SequenceFeatures, anchors: Se
     block_tokens = torch.full((len(anchors), B), cfg.mask_token_id, dtype=torch.long)
     block_tokens[:, 0] = seq.tokens[anchors_t]
     positions = (anchors_t[:, None] + torch.arange(B)[None, :]).reshape(-1)
-    n = len(anchors) * B
     sees_ctx = ctx_pos[None, :] < anchors_t.repeat_interleave(B)[:, None]          # strictly before the anchor
     block_id = torch.arange(len(anchors)).repeat_interleave(B)
     sees_block = block_id[:, None] == block_id[None, :]                             # own block only, both ways
