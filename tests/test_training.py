@@ -138,3 +138,11 @@ def test_two_copy_mask_matches_the_drafting_layout():
     assert m[6, :4].tolist() == [True, True, False, False]                           # noisy block 1 sees clean block 0
     assert m[6, 4:].tolist() == [False, False, True, True]                           # and itself, both ways
     assert m[4, :4].tolist() == [False] * 4 and m[4, 4:].tolist() == [True, True, False, False]
+
+
+def test_features_come_back_in_input_order(tiny_model):
+    from diffspec.training.features import extract_features
+    seqs = [([5, 6, 7, 8, 9, 10], 2), ([11, 12], 1), ([13, 14, 15, 16], 1)]
+    feats = extract_features(tiny_model, seqs, layer_ids=(0,), batch_size=2)
+    assert [f.tokens.tolist() for f in feats] == [s for s, _ in seqs]
+    assert [f.first_supervised for f in feats] == [2, 1, 1]

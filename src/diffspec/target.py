@@ -17,7 +17,7 @@ import torch
 
 from .cache import cache_length, new_cache, truncate_cache
 from .errors import DiffspecError
-from .models import load_model_and_tokenizer
+from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,6 @@ class Target:
     def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
              max_context: Optional[int] = None, quiet: bool = False) -> "Target":
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
-        from .models import DEFAULT_MODEL
         return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL)
 
     # --- cache -------------------------------------------------------------------------

@@ -91,8 +91,9 @@ def generate_responses(model, tokenizer, prompts: Sequence[list], max_new_tokens
 @torch.inference_mode()
 def extract_features(model, sequences: Sequence[tuple], layer_ids: Sequence[int], batch_size: int = 8,
                      pad_id: int = 0, progress: Optional[Callable[[int, int], None]] = None) -> list:
-    """One teacher-forced target pass per sequence (batched) -> [SequenceFeatures]."""
-    feats = []
+    """One teacher-forced target pass per sequence (batched by similar length) -> [SequenceFeatures],
+    in the order of `sequences`."""
+    feats = [None] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -107,8 +108,8 @@ def extract_features(model, sequences: Sequence[tuple], layer_ids: Sequence[int]
         nxt = out.logits.argmax(-1)
         for row, i in enumerate(idx):
             n = len(sequences[i][0])
-            feats.append(SequenceFeatures(tokens=ids[row, :n].clone(), hidden=hidden[row, :n].to(torch.float16).clone(),
-                                          target_next=nxt[row, :n].clone(), first_supervised=int(sequences[i][1])))
+            feats[i] = SequenceFeatures(tokens=ids[row, :n].clone(), hidden=hidden[row, :n].to(torch.float16).clone(),
+                                        target_next=nxt[row, :n].clone(), first_supervised=int(sequences[i][1]))
         if progress:
             progress(min(start + batch_size, len(order)), len(order))
     return feats

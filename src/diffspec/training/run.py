@@ -102,14 +102,8 @@ def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) 
     t1 = time.time()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     feats = extract_features(target.model, generated + teacher, layer_ids, batch_size=8, pad_id=pad)
-    by_len = {}
-    for f in feats:
-        by_len.setdefault(len(f.tokens), []).append(f)
-    # keep generated sequences identifiable (extract_features sorts by length): match by token content
-    gen_keys = {tuple(s) for s, _ in generated}
-    aligned = [f for f in feats if tuple(f.tokens.tolist()) in gen_keys]
-    other = [f for f in feats if tuple(f.tokens.tolist()) not in gen_keys]
-    random.Random(req.seed).shuffle(aligned)  # features come sorted by length: hold out a random sample, not the shortest
+    aligned, other = feats[: len(generated)], feats[len(generated):]
+    random.Random(req.seed).shuffle(aligned)  # hold out a random sample of the target's own answers
     _say(req, f"target features for {len(feats)} sequences in {time.time() - t1:.0f} s")
     return {"train": aligned[held:] + other, "held_out": aligned[:held],
             "stats": {"generated_sequences": len(generated), "generated_tokens": gen_tokens,
