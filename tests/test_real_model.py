@@ -70,3 +70,32 @@ def test_every_drafter_kind_with_failfast_is_lossless_on_smollm2(smol, kind):
     r = SpeculativeEngine(smol, drafter, FailFastPolicy()).generate(ids, max_new_tokens=24)
     assert r.token_ids == hf_greedy(smol, ids, 24)
     assert r.drafter_forward_passes > 0
+
+
+def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol):
+    """The trained drafter committed in the package: small, fp16, the default, and lossless."""
+    from safetensors import safe_open
+
+    from diffspec import make_drafter
+    from diffspec.checkpoint import shipped_drafter_path
+    from diffspec.drafters import ConditionedDrafter, default_drafter_name
+
+    path = shipped_drafter_path(smol.name, "conditioned")
+    assert path is not None, "no shipped drafter for the default target"
+    weights = path / "model.safetensors"
+    assert weights.stat().st_size <= 25 * 2 ** 20
+    with safe_open(str(weights), "pt") as f:
+        floats = {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()}
+    assert floats == {torch.float16}
+    assert default_drafter_name(smol.name) == "conditioned"
+    drafter = make_drafter("auto", smol)
+    assert isinstance(drafter, ConditionedDrafter)
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = smol.encode_prompt(prompt)
+        expected = hf_greedy(smol, ids, NEW)
+        for policy in (FixedPolicy(16), FailFastPolicy()):
+            r = SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=NEW)
+            assert r.token_ids == expected, (prompt, policy.describe())
+            accepted += r.accepted_tokens
+    assert accepted > 0  # a trained drafter gets some of its drafts accepted on real prompts

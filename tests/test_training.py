@@ -34,8 +34,10 @@ def request(tmp, model_dir, corpus, **kw):
     return TrainRequest(**base)
 
 
-def test_training_lowers_the_loss_and_writes_everything(tmp_path, tiny_model_dir, corpus):
-    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=60))
+@pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
+def test_training_lowers_the_loss_and_writes_everything(tmp_path, tiny_model_dir, corpus, train_dtype):
+    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=60, train_dtype=train_dtype))
+    assert record["train_dtype"] == train_dtype
     log = [json.loads(l) for l in open(tmp_path / "train_log.jsonl")]
     assert len(log) == 60
     first = sum(r["loss"] for r in log[:10]) / 10
@@ -65,6 +67,13 @@ def test_resume_continues_from_the_checkpoint_step(tmp_path, tiny_model_dir, cor
     record = train_drafter(request(tmp_path, tiny_model_dir, corpus, steps=14, resume=True))
     log = [json.loads(l) for l in open(tmp_path / "train_log.jsonl")]
     assert record["steps"] == 14 and [r["step"] for r in log] == list(range(1, 15))
+
+
+def test_auto_train_dtype_is_measured_not_assumed():
+    from diffspec.training.run import choose_train_dtype
+    dtype, why = choose_train_dtype("auto", "cpu", width=64, vocab=256)
+    assert dtype in (torch.float32, torch.bfloat16) and why.startswith("measured")
+    assert choose_train_dtype("float32", "cpu")[0] == torch.float32
 
 
 def test_truncated_json_array_is_read_element_by_element():

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
+    t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="precision of training matmuls; auto measures this machine (bf16 wins only with AVX512-BF16/AMX)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     return parser
 
@@ -96,7 +98,7 @@ def _train(args) -> int:
                        seq_len=args.seq_len, max_time=parse_duration(args.max_time), max_tokens=args.max_tokens,
                        steps=args.steps, block_size=args.block_size, layers=args.layers, anchors=args.anchors,
                        sequences_per_step=args.batch_sequences, lr=args.lr, objective=args.objective, seed=args.seed,
-                       device=args.device, resume=args.resume, draft_vocab=args.draft_vocab,
+                       device=args.device, train_dtype=args.train_dtype, resume=args.resume, draft_vocab=args.draft_vocab,
                        init_from_target=not args.no_init_from_target)
     record = train_drafter(req)
     print(json.dumps({"drafter": str(Path(args.out) / "drafter"), "steps": record["steps"],
