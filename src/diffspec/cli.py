@@ -2,6 +2,7 @@
 
     diffspec generate "PROMPT" [--model M] [--drafter D] [--policy P] [--max-new-tokens N]
                                [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--json]
+    diffspec bench --dataset humaneval --num-prompts 5 --methods plain failfast --out DIR
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
 """
@@ -75,7 +76,33 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="precision of training matmuls; auto measures this machine (bf16 wins only with AVX512-BF16/AMX)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    _add_bench_parser(sub, DEFAULT_MODEL)
     return parser
+
+
+def _add_bench_parser(sub, default_model: str) -> None:
+    from .bench.run import DEFAULT_METHODS
+
+    b = sub.add_parser("bench", help="measure methods against plain decoding on prompt sets (lossless check built in)",
+                       description="Benchmark speculative-decoding methods against plain decoding. Greedy outputs are "
+                                   "compared with plain's; any difference exits 1.")
+    b.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, champ, all, or a FILE.jsonl")
+    b.add_argument("--num-prompts", type=int, default=5, help="prompts per dataset (default 5)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help="method specs, e.g. plain failfast:tau=0.3,n_max=30 conditioned:drafter=DIR (--list-methods)")
+    b.add_argument("--sweep", nargs="+", default=[], help="PARAM=V1,V2,...: cross product over methods accepting them")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; lossless check on)")
+    b.add_argument("--seed", type=int, default=None)
+    b.add_argument("--repeats", type=int, default=1, help="runs per method x prompt; the median wall time counts")
+    b.add_argument("--out", default=None, help="output folder (results.jsonl, summary.md, summary.json, PNGs)")
+    b.add_argument("--model", default=None, help=f"target (default {default_model})")
+    b.add_argument("--dtype", default="float32", help="target dtype (default float32)")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    b.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
+    b.add_argument("--raster-prompt", default=None, help="prompt id for the acceptance raster (default the first)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--list-methods", action="store_true", help="list method names and their parameters, then exit")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
@@ -149,6 +176,40 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import shlex
+
+    import torch
+
+    from .api import parse_dtype
+    from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
+    from .target import Target
+
+    if args.list_methods:
+        print(list_methods())
+        return 0
+    if args.out is None:
+        raise DiffspecError("--out DIR is required (results.jsonl, summary.md, summary.json and plots go there)")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    config = BenchConfig(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                         methods=tuple(args.methods), sweep=tuple(args.sweep), temperature=args.temperature,
+                         seed=args.seed, repeats=args.repeats, chat=not args.raw, raster_prompt=args.raster_prompt,
+                         quiet=args.quiet, command=shlex.join(["diffspec"] + list(sys.argv[1:] if args.argv is None
+                                                                                  else args.argv)))
+    prepare(config)  # bad methods, parameters or prompt files fail before the model loads
+    target = Target.load(args.model, dtype=parse_dtype(args.dtype), quiet=args.quiet)
+    result = run_bench(config, target, out=args.out)
+    best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
+    print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)
+    if result.failures:
+        print(f"diffspec: error: {len(result.failures)} lossless failure(s): outputs differ from plain "
+              f"(see {args.out}/summary.md)", file=sys.stderr)
+    return result.exit_code
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"diffspec: warning: {message}\n"
 
@@ -157,11 +218,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.formatwarning = _one_line_warning
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = None if argv is None else list(argv)
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "train-drafter":
             return _train(args)
+        if args.command == "bench":
+            return _bench(args)
     except DiffspecError as e:
         print(f"diffspec: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,355 @@
+"""The methods `diffspec bench` compares, by stable name, and how each is built and run.
+
+A method is a registry entry (`MethodDef`): a name, the parameters it accepts with their
+defaults, and a builder turning (target, parameter values) into a `Runner`. Users pick methods
+with specs such as `plain`, `conditioned:gamma=16` or `failfast:tau=0.3,n_max=30`; `--sweep`
+expands a method into the cross product of parameter values (`failfast[tau=0.3,n_max=30]`).
+
+Every runner generates from prompt token ids and returns an `Outcome`; what it counts:
+- engine methods (`plain`, `prompt-lookup`, `ar`, `specdiff`, `dllm-fixed`, `failfast`,
+  `conditioned`, `conditioned-failfast`): the engine's own statistics (GenerationResult);
+- transformers methods (`hf-generate`, `hf-prompt-lookup`): `model.generate` on the target's HF
+  model, target forward passes counted by a forward hook. HF's prefill pass also emits the first
+  token, so every pass is a round: mean accepted length = new tokens / target passes (1.0 for
+  plain generate, as for the engine's `plain`). Draft/verify split and per-round lists: None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..errors import DiffspecError
+from ..types import SamplingParams
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One generation of one method on one prompt.
+
+    rounds: (drafted, accepted, emitted) per draft-verify round (engine methods; () for HF).
+    draft_time_s / verify_time_s: None where the method cannot split them (HF methods).
+    """
+
+    token_ids: tuple
+    wall_time_s: float
+    target_forward_passes: int
+    drafter_forward_passes: int
+    mean_accepted_length: float
+    draft_time_s: Optional[float] = None
+    verify_time_s: Optional[float] = None
+    rounds: tuple = ()
+    finish_reason: Optional[str] = None
+
+
+class Runner:
+    """Generates for one method. `weights` and `policy` say what ran (recorded in every row)."""
+
+    weights: str = "target only"
+    policy: str = "-"
+
+    def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        raise NotImplementedError
+
+
+class EngineRunner(Runner):
+    """A SpeculativeEngine (no drafter = plain decoding through the same loop)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.weights = engine.drafter.describe() if engine.drafter is not None else "target only"
+        self.policy = engine.policy.describe() if engine.drafter is not None else "-"
+
+    def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        t0 = time.perf_counter()
+        r = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling)
+        wall = time.perf_counter() - t0
+        return Outcome(token_ids=tuple(r.token_ids), wall_time_s=wall, target_forward_passes=r.target_forward_passes,
+                       drafter_forward_passes=r.drafter_forward_passes, mean_accepted_length=r.mean_accepted_length,
+                       draft_time_s=r.draft_time_s, verify_time_s=r.verify_time_s,
+                       rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason)
+
+
+class HFRunner(Runner):
+    """transformers `model.generate` on the target's model; prompt lookup when lookup_tokens > 0."""
+
+    def __init__(self, target, lookup_tokens: int = 0, max_ngram: int = 2):
+        self.target = target
+        self.lookup_tokens, self.max_ngram = lookup_tokens, max_ngram
+        self.weights = "target only" if not lookup_tokens else f"transformers prompt lookup (ngram {max_ngram})"
+        self.policy = "-" if not lookup_tokens else f"fixed({lookup_tokens})"
+
+    def _config(self, max_new_tokens: int, sampling: SamplingParams):
+        from transformers import GenerationConfig
+
+        stops = sorted(self.target.stop_token_ids)
+        tok = self.target.tokenizer
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                  pad_token_id=pad if pad is not None else (stops[0] if stops else 0))
+        if sampling.greedy:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if self.lookup_tokens:
+            kw.update(prompt_lookup_num_tokens=self.lookup_tokens, max_matching_ngram_size=self.max_ngram)
+        return GenerationConfig(**kw)
+
+    def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        model = self.target.model
+        max_new_tokens = min(max_new_tokens, self.target.max_context - len(prompt_ids))
+        config = self._config(max_new_tokens, sampling)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.target.device)
+        calls = [0]
+        hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            wall = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        new = tuple(int(t) for t in out[0, ids.shape[1]:].tolist())
+        stops = self.target.stop_token_ids
+        finish = "stop" if new and new[-1] in stops else "length"
+        return Outcome(token_ids=new, wall_time_s=wall, target_forward_passes=calls[0], drafter_forward_passes=0,
+                       mean_accepted_length=len(new) / max(1, calls[0]), finish_reason=finish)
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: type          # int, float or str
+    default: object     # None = the drafter's own / required (see MethodDef.required)
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class MethodDef:
+    """A benchmark method: `build(target, values)` -> Runner, values holding every param."""
+
+    name: str
+    description: str
+    params: tuple = ()          # of Param
+    build: Callable = None      # (target, dict) -> Runner
+    required: tuple = ()        # params that must be given (e.g. ar's drafter)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        accepted = ", ".join(p.name for p in self.params) or "none"
+        raise DiffspecError(f"method '{self.name}' has no parameter '{name}' (it accepts: {accepted})")
+
+    def accepts(self, name: str) -> bool:
+        return any(p.name == name for p in self.params)
+
+
+_FAILFAST = (Param("tau", float, 0.45, "FailFast confidence threshold"),
+             Param("n", int, 10, "FailFast window increment N"), Param("n_max", int, 60, "FailFast maximum draft length"))
+
+
+def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str = "") -> Callable:
+    """A builder for an engine method; `drafter`/`policy` None = read them from the values.
+    `prefix` is put before a drafter value that lacks it (ar: drafter=PATH means 'ar:PATH')."""
+
+    def build(target, values: dict) -> Runner:
+        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, make_drafter
+        from ..engine import SpeculativeEngine
+        from ..policies import make_policy
+
+        spec = values.get("drafter", drafter)
+        if spec is None:
+            return EngineRunner(SpeculativeEngine(target, None, make_policy("fixed", gamma=1)))
+        if spec == "prompt-lookup":
+            d = PromptLookupDrafter(max_ngram=values.get("max_ngram", 3), min_ngram=values.get("min_ngram", 2))
+        else:
+            spec = spec if spec.startswith(prefix) else prefix + spec
+            d = make_drafter(spec, target, dtype=target.dtype, device=str(target.device))
+        if values.get("steps") is not None:
+            if not isinstance(d, MaskedDiffusionDrafter):
+                raise DiffspecError(f"steps applies to masked-diffusion drafters; {d.describe()} is not one")
+            d.config = dataclasses.replace(d.config, steps=values["steps"])
+        pol = values.get("policy", policy)
+        gamma = values.get("gamma") if values.get("gamma") is not None else d.default_gamma
+        options = {k: values[k] for k in ("tau", "n", "n_max") if k in values}
+        return EngineRunner(SpeculativeEngine(target, d, make_policy(pol, gamma=gamma, **options)))
+
+    return build
+
+
+def _hf_builder(lookup: bool) -> Callable:
+    def build(target, values: dict) -> Runner:
+        if not lookup:
+            return HFRunner(target)
+        if values["num_tokens"] < 1:
+            raise DiffspecError("hf-prompt-lookup: num_tokens must be >= 1")
+        return HFRunner(target, values["num_tokens"], values["max_ngram"])
+
+    return build
+
+
+def _drafter(default: Optional[str]) -> Param:
+    return Param("drafter", str, default, "drafter name or folder")
+
+
+_GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
+
+METHODS: dict = {m.name: m for m in [
+    MethodDef("hf-generate", "transformers model.generate on the target's HF model (what users run today)",
+              build=_hf_builder(False)),
+    MethodDef("plain", "the engine with no drafter (the baseline every speedup divides by)",
+              build=_engine_builder(None, "fixed")),
+    MethodDef("hf-prompt-lookup", "transformers generate with prompt_lookup_num_tokens",
+              (Param("num_tokens", int, 10, "prompt_lookup_num_tokens"),
+               Param("max_ngram", int, 2, "max_matching_ngram_size")), _hf_builder(True)),
+    MethodDef("prompt-lookup", "our n-gram drafter, FailFast policy by default",
+              (Param("policy", str, "failfast", "fixed or failfast"), _GAMMA) + _FAILFAST +
+              (Param("max_ngram", int, 3), Param("min_ngram", int, 2)), _engine_builder("prompt-lookup", None)),
+    MethodDef("ar", "an autoregressive draft model (ar:drafter=PATH), fixed gamma by default",
+              (_drafter(None), Param("policy", str, "fixed", "fixed or failfast"), _GAMMA) + _FAILFAST,
+              _engine_builder(None, None, prefix="ar:"), required=("drafter",)),
+    MethodDef("specdiff", "masked-diffusion drafter, fixed gamma, T denoising steps (SpecDiff)",
+              (_drafter("masked-diffusion"), _GAMMA, Param("steps", int, None, "T denoising steps (default: the drafter's)")),
+              _engine_builder(None, "fixed")),
+    MethodDef("dllm-fixed", "block-diffusion drafter, fixed gamma",
+              (_drafter("block-diffusion"), _GAMMA), _engine_builder(None, "fixed")),
+    MethodDef("failfast", "block-diffusion drafter + FailFast policy",
+              (_drafter("block-diffusion"),) + _FAILFAST, _engine_builder(None, "failfast")),
+    MethodDef("conditioned", "target-conditioned drafter, fixed gamma (default: its block size - 1)",
+              (_drafter("conditioned"), _GAMMA), _engine_builder(None, "fixed")),
+    MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
+              (_drafter("conditioned"),) + _FAILFAST, _engine_builder(None, "failfast")),
+]}
+
+
+# --- specs and sweeps ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One configuration to measure: a registry method plus parameter overrides."""
+
+    name: str          # display name, unique in a run: 'failfast', 'conditioned:gamma=16', 'failfast[tau=0.3]'
+    method: str        # registry key
+    params: tuple = ()  # ((param, value), ...) overrides in the order given
+
+    def values(self, registry: dict) -> dict:
+        """Every parameter of the method: defaults, then overrides (None defaults left out)."""
+        definition = registry[self.method]
+        values = {p.name: p.default for p in definition.params if p.default is not None}
+        values.update(dict(self.params))
+        return values
+
+
+def _convert(definition: MethodDef, key: str, text: str):
+    p = definition.param(key)
+    try:
+        return p.type(text)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(p.type, "a string")
+        raise DiffspecError(f"method '{definition.name}': parameter {key} must be {kind}, got '{text}'") from None
+
+
+def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:
+    """'NAME' or 'NAME:key=value,key=value' -> MethodSpec, checked against the registry."""
+    registry = METHODS if registry is None else registry
+    base, _, rest = text.partition(":")
+    if base not in registry:
+        raise DiffspecError(f"unknown method '{base}' (choose from: {', '.join(registry)}; "
+                            f"diffspec bench --list-methods describes them)")
+    definition = registry[base]
+    params = []
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise DiffspecError(f"method '{text}': parameters are key=value pairs separated by commas, got '{item}'")
+        params.append((key, _convert(definition, key, value)))
+    keys = [k for k, _ in params]
+    if len(set(keys)) != len(keys):
+        raise DiffspecError(f"method '{text}' sets a parameter twice")
+    for req in definition.required:
+        if req not in keys:
+            raise DiffspecError(f"method '{base}' needs {req}=..., e.g. {base}:{req}=PATH")
+    name = base if not params else f"{base}:" + ",".join(f"{k}={v}" for k, v in params)
+    return MethodSpec(name, base, tuple(params))
+
+
+def parse_sweep(items: Sequence[str]) -> tuple:
+    """['tau=0.3,0.45', 'n_max=30,60'] -> (('tau', ['0.3', '0.45']), ('n_max', ['30', '60']))."""
+    out, seen = [], set()
+    for item in items:
+        key, eq, values = item.partition("=")
+        vals = [v for v in values.split(",") if v]
+        if not eq or not key or not vals:
+            raise DiffspecError(f"--sweep takes PARAM=V1,V2,... got '{item}'")
+        if key in seen:
+            raise DiffspecError(f"--sweep names {key} twice")
+        seen.add(key)
+        out.append((key, vals))
+    return tuple(out)
+
+
+def expand_methods(specs: Sequence[str], sweep: Sequence[str] = (), registry: Optional[dict] = None) -> list:
+    """Method spec strings (+ sweep) -> unique MethodSpecs, `plain` first (added if missing).
+
+    Each method that accepts some swept parameters becomes the cross product of their values
+    (sweep values replace the method's own overrides of the same parameter)."""
+    registry = METHODS if registry is None else registry
+    parsed = [parse_method(s, registry) for s in specs]
+    grid = parse_sweep(sweep)
+    for key, _ in grid:
+        if not any(registry[p.method].accepts(key) for p in parsed):
+            raise DiffspecError(f"--sweep {key}: none of the methods {', '.join(p.name for p in parsed) or '(none)'} "
+                                f"accepts that parameter")
+    out = []
+    for spec in parsed:
+        definition = registry[spec.method]
+        axes = [(k, [_convert(definition, k, v) for v in vals]) for k, vals in grid if definition.accepts(k)]
+        if not axes:
+            out.append(spec)
+            continue
+        for combo in itertools.product(*[vals for _, vals in axes]):
+            swept = dict(zip([k for k, _ in axes], combo))
+            params = tuple((k, v) for k, v in spec.params if k not in swept) + tuple(swept.items())
+            label = ",".join(f"{k}={v}" for k, v in swept.items())
+            out.append(MethodSpec(f"{spec.name}[{label}]", spec.method, params))
+    names = [s.name for s in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise DiffspecError(f"method listed twice: {', '.join(dupes)}")
+    if "plain" not in names:
+        out.insert(0, MethodSpec("plain", "plain"))
+    else:
+        out.insert(0, out.pop(names.index("plain")))
+    return out
+
+
+def build_runner(spec: MethodSpec, target, registry: Optional[dict] = None) -> tuple:
+    """(Runner, warnings raised while building it, e.g. 'random weights') - warnings are not shown."""
+    registry = METHODS if registry is None else registry
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner = registry[spec.method].build(target, spec.values(registry))
+    return runner, tuple(str(w.message) for w in caught)
+
+
+def list_methods(registry: Optional[dict] = None) -> str:
+    """The text of `diffspec bench --list-methods`."""
+    registry = METHODS if registry is None else registry
+    lines = []
+    for m in registry.values():
+        lines.append(f"{m.name:22s} {m.description}")
+        for p in m.params:
+            default = "required" if p.name in m.required else ("drafter's own" if p.default is None else p.default)
+            lines.append(f"{'':24s}{p.name}={p.type.__name__} (default {default}){'  ' + p.help if p.help else ''}")
+    return "\n".join(lines)

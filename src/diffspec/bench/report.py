@@ -1,0 +1,154 @@
+"""Summaries and output files of `diffspec bench`.
+
+`summarize(rows)` groups rows per dataset x method (plus an `all` group per method when there
+are several datasets) into mean / median / min / max speedup and the other means; `best_per_dataset`
+picks the highest median speedup among configurations not shown lossy. `write_outputs` writes
+results.jsonl (one row per method x prompt), summary.json, summary.md and the PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+from ..errors import DiffspecError
+
+ALL = "all"
+
+
+def _groups(rows: Sequence[dict]) -> list:
+    """[((dataset, method), rows)] in first-seen order, plus ('all', method) when datasets > 1."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["method"]), []).append(r)
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    if len(datasets) > 1:
+        for r in rows:
+            groups.setdefault((ALL, r["method"]), []).append(r)
+    return list(groups.items())
+
+
+def _lossless(rows: Sequence[dict]) -> Optional[bool]:
+    flags = [r.get("lossless") for r in rows]
+    if any(f is False for f in flags):
+        return False
+    if flags and all(f is True for f in flags):
+        return True
+    return None
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 4) if values else None
+
+
+def summarize(rows: Sequence[dict]) -> list:
+    """One dict per dataset x method: speedup mean/median/min/max over prompts and other means.
+
+    tokens_per_s is aggregate (total new tokens / total wall time); lossless is True when every
+    prompt matched plain, False when any differed, None when not checked (sampling)."""
+    out = []
+    for (dataset, method), rs in _groups(rows):
+        speedups = [r["speedup"] for r in rs if r.get("speedup") is not None]
+        wall = sum(r["wall_time_s"] for r in rs)
+        tokens = sum(r["new_tokens"] for r in rs)
+        out.append({
+            "dataset": dataset, "method": method, "prompts": len(rs),
+            "speedup_mean": _mean(speedups),
+            "speedup_median": round(statistics.median(speedups), 4) if speedups else None,
+            "speedup_min": round(min(speedups), 4) if speedups else None,
+            "speedup_max": round(max(speedups), 4) if speedups else None,
+            "mean_accepted_length": _mean(r["mean_accepted_length"] for r in rs),
+            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+            "wall_time_s_mean": _mean(r["wall_time_s"] for r in rs),
+            "new_tokens_mean": _mean(r["new_tokens"] for r in rs),
+            "target_forward_passes_mean": _mean(r["target_forward_passes"] for r in rs),
+            "drafter_forward_passes_mean": _mean(r["drafter_forward_passes"] for r in rs),
+            "draft_time_s_mean": _mean(r.get("draft_time_s") for r in rs),
+            "verify_time_s_mean": _mean(r.get("verify_time_s") for r in rs),
+            "lossless": _lossless(rs),
+            "weights": rs[0].get("weights"), "policy": rs[0].get("policy"),
+        })
+    return out
+
+
+def best_per_dataset(summary: Sequence[dict]) -> dict:
+    """{dataset: method} with the highest median speedup among entries whose lossless is not False."""
+    best: dict = {}
+    for s in summary:
+        if s["lossless"] is False or s["speedup_median"] is None:
+            continue
+        current = best.get(s["dataset"])
+        if current is None or s["speedup_median"] > current["speedup_median"]:
+            best[s["dataset"]] = s
+    return {d: s["method"] for d, s in best.items()}
+
+
+def _fmt(value, suffix: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _yes_no(flag: Optional[bool]) -> str:
+    return {True: "yes", False: "**NO**", None: "n/a"}[flag]
+
+
+def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) -> str:
+    """summary.md: command, machine, settings, the table (best marked), methods, failures, plots."""
+    m, s = result.machine, result.settings
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in m["cpu_flags"].items())
+    lines = ["# diffspec bench", "", "Command:", "", f"    {s['command']}", "",
+             f"Machine: {m['cpu']} ({m['cpus']} CPUs; {flags}); torch threads {m['threads']}; "
+             f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; commit {m['commit']}.", "",
+             f"Target {s['target']} ({s['target_dtype']}); {s['prompts']} prompts from `{s['dataset']}`; "
+             f"{s['max_new_tokens']} new tokens max; temperature {s['temperature']}"
+             + (f", seed {s['seed']}" if s["seed"] is not None else "")
+             + f"; median of {s['repeats']} repeat(s); methods interleaved per prompt after a warm-up.", "",
+             "Speedup = plain's wall time / the method's, per prompt; tok/s = total new tokens / total time; "
+             "lossless = token-identical to plain on every prompt (n/a when sampling).", "",
+             "| dataset | method | prompts | speedup mean | median | min-max | mean acc. len | tok/s | "
+             "target passes | drafter passes | lossless | best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary:
+        spread = "-" if e["speedup_min"] is None else f"{e['speedup_min']:.2f}-{e['speedup_max']:.2f}"
+        mark = "**best**" if best.get(e["dataset"]) == e["method"] else ""
+        lines.append(f"| {e['dataset']} | {e['method']} | {e['prompts']} | {_fmt(e['speedup_mean'], 'x')} | "
+                     f"{_fmt(e['speedup_median'], 'x')} | {spread} | {_fmt(e['mean_accepted_length'])} | "
+                     f"{_fmt(e['tokens_per_s'], '', 1)} | {_fmt(e['target_forward_passes_mean'], '', 1)} | "
+                     f"{_fmt(e['drafter_forward_passes_mean'], '', 1)} | {_yes_no(e['lossless'])} | {mark} |")
+    lines += ["", "## Methods", "", "| method | weights | policy | notes |", "|---|---|---|---|"]
+    for meth in result.methods:
+        notes = "; ".join(meth["notes"]).replace("|", "/") or ""
+        lines.append(f"| {meth['name']} | {meth['weights']} | {meth['policy']} | {notes} |")
+    if result.failures:
+        lines += ["", "## LOSSLESS FAILURES", ""] + [f"- {f}" for f in result.failures]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result, out, raster_prompt: Optional[str] = None, stderr: Optional[TextIO] = None) -> tuple:
+    """Write results.jsonl, summary.json, summary.md and the plots into `out`; return the paths."""
+    from .plots import make_plots
+
+    stderr = sys.stderr if stderr is None else stderr
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiffspecError(f"cannot create output folder {out}: {e.strerror}") from None
+    summary = summarize(result.rows)
+    best = best_per_dataset(summary)
+    plots = make_plots(result.rows, summary, out, raster_prompt, stderr=stderr)
+    files = [out / "results.jsonl", out / "summary.json", out / "summary.md"]
+    with open(files[0], "w") as f:
+        for row in result.rows:
+            f.write(json.dumps(row) + "\n")
+    record = {"command": result.settings["command"], "machine": result.machine, "settings": result.settings,
+              "methods": list(result.methods), "summary": summary, "best": best,
+              "lossless_failures": list(result.failures), "plots": [Path(p).name for p in plots]}
+    files[1].write_text(json.dumps(record, indent=1) + "\n")
+    files[2].write_text(markdown(result, summary, best, plots))
+    return tuple(str(p) for p in files + list(plots))

@@ -1,0 +1,262 @@
+"""The measurement loop of `diffspec bench`.
+
+Discipline (as benchmarks/speed_check.py): every method is built first (drafter weights loaded,
+warnings recorded, not shown), then warmed up with one short generation; then for each prompt
+and each repeat every method runs in turn (A B C, A B C, ...), so machine drift hits all alike.
+A row per method x prompt holds the median wall time over repeats and the statistics of the
+first repeat; speedup = plain's median time / the method's on the same prompt.
+
+Lossless check: at temperature 0 every method's tokens are compared with `plain` (which always
+runs); a difference is printed on stderr per prompt and makes `BenchResult.exit_code` 1. At
+temperature > 0 `lossless` is None (outputs are samples; the engine's distribution tests cover it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+import torch
+
+from ..errors import DiffspecError
+from ..types import SamplingParams
+from .methods import METHODS, build_runner, expand_methods
+from .prompts import load_bench_prompts
+
+DEFAULT_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. num_prompts is per dataset (None = all); seed only matters when sampling."""
+
+    dataset: str = "humaneval"
+    num_prompts: Optional[int] = 5
+    max_new_tokens: int = 128
+    methods: tuple = DEFAULT_METHODS
+    sweep: tuple = ()
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    repeats: int = 1
+    chat: bool = True
+    raster_prompt: Optional[str] = None
+    quiet: bool = False
+    warmup_tokens: int = 8
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise DiffspecError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise DiffspecError(f"--repeats must be an integer >= 1, got {self.repeats!r}")
+        self.sampling()  # validates temperature and seed
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """rows: one dict per method x prompt (stable keys, see README); methods: what each ran."""
+
+    rows: tuple
+    methods: tuple
+    failures: tuple
+    machine: dict
+    settings: dict
+    files: tuple = field(default=())
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures else 0
+
+
+def machine_info() -> dict:
+    """CPU model and flags, threads, library versions and the git commit of this checkout."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import transformers
+
+    here = Path(__file__).resolve().parent
+    commit = ""
+    try:
+        git = ["git", "-C", str(here)]
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if commit and subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip():
+            commit += "-dirty"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": model, "cpu_flags": {f: f in flags for f in CPU_FLAGS}, "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "commit": commit or None}
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """Silence Python warnings and transformers' logging (random-weight notes, generate hints)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class Progress:
+    """A one-line progress bar on stderr (\\r-rewritten); silent when quiet."""
+
+    def __init__(self, total: int, stream: TextIO, quiet: bool):
+        self.total, self.stream, self.quiet = total, stream, quiet
+        self.done, self.t0 = 0, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        width = 24
+        bar = "#" * int(width * self.done / self.total)
+        self.stream.write(f"\r[{bar:<{width}}] {self.done}/{self.total} {elapsed:5.0f}s, ~{left:.0f}s left  "
+                          f"{label[:60]:<60}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids, greedy) -> dict:
+    wall = _median(times)
+    diff = _first_difference(outcome.token_ids, plain_ids) if greedy else None
+    rounds = outcome.rounds
+    return {
+        "method": spec.name, "base_method": spec.method, "params": dict(spec.params),
+        "dataset": prompt.dataset, "prompt_id": prompt.prompt_id, "prompt_tokens": len(prompt_ids),
+        "wall_time_s": round(wall, 5), "wall_times_s": [round(t, 5) for t in times],
+        "new_tokens": len(outcome.token_ids), "tokens_per_s": round(len(outcome.token_ids) / wall, 3) if wall else 0.0,
+        "speedup": round(base_time / wall, 4) if wall else None,
+        "mean_accepted_length": round(outcome.mean_accepted_length, 4),
+        "target_forward_passes": outcome.target_forward_passes, "drafter_forward_passes": outcome.drafter_forward_passes,
+        "draft_time_s": None if outcome.draft_time_s is None else round(outcome.draft_time_s, 5),
+        "verify_time_s": None if outcome.verify_time_s is None else round(outcome.verify_time_s, 5),
+        "rounds": len(rounds) if rounds else None,
+        "drafted_tokens": sum(r[0] for r in rounds), "accepted_tokens": sum(r[1] for r in rounds),
+        "round_drafted": [r[0] for r in rounds], "round_accepted": [r[1] for r in rounds],
+        "round_emitted": [r[2] for r in rounds], "finish_reason": outcome.finish_reason,
+        "weights": runner.weights, "policy": runner.policy, "token_ids": list(outcome.token_ids),
+        "lossless": (diff is None) if greedy else None, "first_difference": diff,
+    }
+
+
+def prepare(config: BenchConfig, registry: Optional[dict] = None) -> tuple:
+    """(prompts, method specs), checked before any model loads: bad input fails in milliseconds."""
+    specs = expand_methods(config.methods, config.sweep, registry)
+    prompts = load_bench_prompts(config.dataset, config.num_prompts)
+    if config.raster_prompt is not None and config.raster_prompt not in {p.prompt_id for p in prompts}:
+        raise DiffspecError(f"--raster-prompt '{config.raster_prompt}' is not among the selected prompts "
+                            f"(e.g. '{prompts[0].prompt_id}')")
+    return prompts, specs
+
+
+def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out: Optional[str] = None,
+              stderr: Optional[TextIO] = None) -> BenchResult:
+    """Measure every method of `config` on `target` (a diffspec Target); write outputs to `out`."""
+    from .report import write_outputs
+
+    registry = METHODS if registry is None else registry
+    stderr = sys.stderr if stderr is None else stderr
+    prompts, specs = prepare(config, registry)
+    sampling = config.sampling()
+    encoded = []
+    for p in prompts:
+        ids = target.encode_prompt(p.text, chat=config.chat)
+        if len(ids) >= target.max_context:
+            raise DiffspecError(f"prompt {p.dataset}/{p.prompt_id} has {len(ids)} tokens, more than fits in the "
+                                f"target's context of {target.max_context}")
+        encoded.append(ids)
+
+    methods, runners = [], {}
+    for spec in specs:
+        runner, notes = build_runner(spec, target, registry)
+        runners[spec.name] = runner
+        methods.append({"name": spec.name, "method": spec.method, "params": dict(spec.params),
+                        "weights": runner.weights, "policy": runner.policy, "notes": list(notes)})
+
+    rows, failures = [], []
+    progress = Progress(len(prompts) * config.repeats * len(specs), stderr, config.quiet)
+    with quiet_libraries():
+        for spec in specs:  # warm-up: one short generation per method
+            runners[spec.name].run(encoded[0], min(config.warmup_tokens, config.max_new_tokens), sampling)
+        for prompt, ids in zip(prompts, encoded):
+            times = {s.name: [] for s in specs}
+            outcomes = {}
+            for _ in range(config.repeats):
+                for spec in specs:
+                    progress.step(f"{prompt.dataset}/{prompt.prompt_id} {spec.name}")
+                    outcome = runners[spec.name].run(ids, config.max_new_tokens, sampling)
+                    times[spec.name].append(outcome.wall_time_s)
+                    outcomes.setdefault(spec.name, outcome)
+            base = _median(times["plain"])
+            plain_ids = outcomes["plain"].token_ids
+            for spec in specs:
+                row = _row(spec, runners[spec.name], prompt, ids, times[spec.name], outcomes[spec.name], base,
+                           plain_ids, sampling.greedy)
+                rows.append(row)
+                if row["lossless"] is False:
+                    i = row["first_difference"]
+                    mine, theirs = row["token_ids"][i: i + 1], list(plain_ids[i: i + 1])
+                    failures.append(f"{spec.name} differs from plain on {prompt.dataset}/{prompt.prompt_id} "
+                                    f"at new token {i}: {mine or 'end'} vs plain {theirs or 'end'}")
+                    progress.stream.write("\n" if not config.quiet else "")
+                    print(f"diffspec: LOSSLESS FAILURE: {failures[-1]}", file=stderr, flush=True)
+    progress.close()
+
+    settings = {"dataset": config.dataset, "num_prompts": config.num_prompts, "prompts": len(prompts),
+                "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "seed": config.seed,
+                "repeats": config.repeats, "chat": config.chat, "methods": [s.name for s in specs],
+                "sweep": list(config.sweep), "target": getattr(target, "name", None),
+                "target_dtype": str(getattr(target, "dtype", "")).replace("torch.", ""),
+                "command": config.command or shlex.join(["diffspec", "bench"])}
+    result = BenchResult(tuple(rows), tuple(methods), tuple(failures), machine_info(), settings)
+    if out is not None:
+        files = write_outputs(result, out, config.raster_prompt, stderr=stderr)
+        result = BenchResult(result.rows, result.methods, result.failures, result.machine, result.settings, files)
+    return result

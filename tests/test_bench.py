@@ -1,0 +1,248 @@
+"""`diffspec bench`: prompt sets, method specs and sweeps, summary statistics, a tiny end-to-end run
+with every output file, the built-in lossless check, and CLI errors. Tiny models only (fast)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_model
+from diffspec import DiffspecError, SpeculativeEngine, make_policy
+from diffspec.bench import (METHODS, BenchConfig, MethodDef, Param, best_per_dataset, expand_methods,
+                            load_bench_prompts, load_jsonl_prompts, run_bench, summarize)
+from diffspec.bench.methods import EngineRunner, Outcome
+from diffspec.cli import main
+from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
+
+ROW_KEYS = {"method", "dataset", "prompt_id", "wall_time_s", "new_tokens", "tokens_per_s", "mean_accepted_length",
+            "target_forward_passes", "drafter_forward_passes", "token_ids", "lossless", "speedup", "draft_time_s",
+            "verify_time_s", "round_drafted", "round_accepted"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models are dominated by thread synchronisation: one thread is faster and steadier."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    rows = [{"id": "copy", "prompt": "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"}, {"text": "w10 w11 w12 w13"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    return path
+
+
+def tiny_block_method():
+    """A registry entry with a tiny block-diffusion drafter + FailFast (the shipped random one is too big)."""
+    def build(target, values):
+        v = target.vocab_size
+        drafter = BlockDiffusionDrafter(make_model(v + 1, seed=3, std=0.5),
+                                        BlockDiffusionConfig(mask_token_id=v, block_size=8, sub_block_size=4),
+                                        name="tiny-block")
+        return EngineRunner(SpeculativeEngine(target, drafter, make_policy("failfast", tau=values["tau"], n=4,
+                                                                           n_max=12)))
+    return MethodDef("tiny-block", "test drafter", (Param("tau", float, 0.45),), build)
+
+
+def broken_method():
+    """Plain decoding whose last token is deliberately changed: the lossless check must catch it."""
+    class Broken(EngineRunner):
+        def run(self, prompt_ids, max_new_tokens, sampling):
+            o = super().run(prompt_ids, max_new_tokens, sampling)
+            ids = o.token_ids[:-1] + ((o.token_ids[-1] + 1) % 60 + 4,)
+            return Outcome(ids, o.wall_time_s, o.target_forward_passes, 0, 1.0, o.draft_time_s, o.verify_time_s,
+                           o.rounds, o.finish_reason)
+    return MethodDef("broken", "alters the output", (), lambda target, values: Broken(SpeculativeEngine(target)))
+
+
+# --- prompt sets -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,count", [("humaneval", 164), ("mtbench", 80), ("champ", 270)])
+def test_packaged_prompt_sets(name, count):
+    prompts = load_bench_prompts(name, None)
+    assert len(prompts) == count and len({p.prompt_id for p in prompts}) == count
+    assert all(p.dataset == name and p.text.strip() for p in prompts)
+
+
+def test_all_takes_the_first_n_of_each_set():
+    prompts = load_bench_prompts("all", 2)
+    assert [p.dataset for p in prompts] == ["humaneval"] * 2 + ["mtbench"] * 2 + ["champ"] * 2
+
+
+def test_jsonl_prompts(tmp_path, prompt_file):
+    assert load_jsonl_prompts(prompt_file) == [("copy", "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"), ("line2", "w10 w11 w12 w13")]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"question": "q?"}\n{"turns": ["first", "second"], "id": 7}\n')
+    assert load_jsonl_prompts(other) == [("line1", "q?"), ("7", "first")]
+    assert [p.dataset for p in load_bench_prompts(str(other), 1)] == ["other"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"answer": "no prompt"}\n')
+    with pytest.raises(DiffspecError, match="bad.jsonl:2"):
+        load_jsonl_prompts(bad)
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(DiffspecError, match="bad.jsonl:2: not valid JSON"):
+        load_jsonl_prompts(bad)
+    with pytest.raises(DiffspecError, match="not found"):
+        load_jsonl_prompts(tmp_path / "missing.jsonl")
+
+
+# --- methods and sweeps ------------------------------------------------------------------------
+
+def test_method_specs_and_sweep():
+    specs = expand_methods(["failfast", "conditioned:gamma=16", "hf-generate"], ["tau=0.3,0.6", "n_max=30,60"])
+    names = [s.name for s in specs]
+    assert names[0] == "plain"  # added and first
+    assert "failfast[tau=0.3,n_max=30]" in names and "failfast[tau=0.6,n_max=60]" in names
+    assert sum(n.startswith("failfast[") for n in names) == 4
+    assert "conditioned:gamma=16" in names and "hf-generate" in names  # accept neither tau nor n_max
+    variant = next(s for s in specs if s.name == "failfast[tau=0.6,n_max=30]")
+    assert variant.values(METHODS) == {"drafter": "block-diffusion", "tau": 0.6, "n": 10, "n_max": 30}
+    with pytest.raises(DiffspecError, match="no parameter 'gamma'"):
+        expand_methods(["failfast:gamma=4"])
+    with pytest.raises(DiffspecError, match="listed twice"):
+        expand_methods(["plain", "plain"])
+    with pytest.raises(DiffspecError, match="accepts that parameter"):
+        expand_methods(["plain", "hf-generate"], ["tau=0.3"])
+
+
+# --- summary statistics ------------------------------------------------------------------------
+
+def _row(method, dataset, speedup, lossless=True, acc=1.5):
+    return {"method": method, "dataset": dataset, "prompt_id": f"p{speedup}", "speedup": speedup,
+            "wall_time_s": 1.0 / speedup, "new_tokens": 10, "mean_accepted_length": acc, "target_forward_passes": 8,
+            "drafter_forward_passes": 4, "lossless": lossless}
+
+
+def test_summary_statistics_on_hand_made_rows():
+    rows = [_row("plain", "a", 1.0), _row("plain", "a", 1.0), _row("x", "a", 1.0), _row("x", "a", 2.0),
+            _row("x", "a", 4.5), _row("fast-but-wrong", "a", 9.0, lossless=False), _row("x", "b", 0.5)]
+    summary = {(s["dataset"], s["method"]): s for s in summarize(rows)}
+    x = summary[("a", "x")]
+    assert (x["prompts"], x["speedup_mean"], x["speedup_median"], x["speedup_min"], x["speedup_max"]) == \
+        (3, 2.5, 2.0, 1.0, 4.5)
+    assert x["tokens_per_s"] == round(30 / (1 + 0.5 + 1 / 4.5), 3) and x["lossless"] is True
+    assert summary[("all", "x")]["prompts"] == 4 and summary[("all", "x")]["speedup_median"] == 1.5
+    assert summary[("a", "fast-but-wrong")]["lossless"] is False
+    assert best_per_dataset(summarize(rows)) == {"a": "x", "b": "x", "all": "x"}  # the lossy one is never best
+    sampled = summarize([dict(r, lossless=None) for r in rows[:2]])
+    assert sampled[0]["lossless"] is None
+
+
+# --- end to end --------------------------------------------------------------------------------
+
+def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, capsys):
+    registry = dict(METHODS, **{"tiny-block": tiny_block_method()})
+    config = BenchConfig(dataset=str(prompt_file), num_prompts=2, max_new_tokens=12, repeats=2,
+                         methods=("hf-generate", "hf-prompt-lookup", "prompt-lookup:policy=fixed,gamma=4",
+                                  "conditioned", "tiny-block"),
+                         sweep=("tau=0.0,0.9",), raster_prompt="copy", command="diffspec bench (test)")
+    out = tmp_path / "out"
+    result = run_bench(config, target, registry=registry, out=str(out))
+    assert result.exit_code == 0 and not result.failures
+    names = ["plain", "hf-generate", "hf-prompt-lookup", "prompt-lookup:policy=fixed,gamma=4[tau=0.0]",
+             "prompt-lookup:policy=fixed,gamma=4[tau=0.9]", "conditioned", "tiny-block[tau=0.0]", "tiny-block[tau=0.9]"]
+    for f in ("results.jsonl", "summary.md", "summary.json", "speedup.png", "accepted_length.png", "raster.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    assert (out / "raster.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == len(names) * 2 and [r["method"] for r in rows[:len(names)]] == names
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert r["lossless"] is True and r["dataset"] == "mine" and len(r["wall_times_s"]) == 2
+        assert r["new_tokens"] == len(r["token_ids"]) > 0 and r["target_forward_passes"] > 0
+    by = {(r["method"], r["prompt_id"]): r for r in rows}
+    assert by[("plain", "copy")]["speedup"] == 1.0 and by[("plain", "copy")]["mean_accepted_length"] == 1.0
+    hf = by[("hf-generate", "copy")]
+    assert hf["target_forward_passes"] == hf["new_tokens"] and hf["draft_time_s"] is None  # counted by the hook
+    assert by[("tiny-block[tau=0.9]", "copy")]["drafter_forward_passes"] > 0
+    assert sum(by[("tiny-block[tau=0.0]", "copy")]["round_drafted"]) > 0
+
+    record = json.loads((out / "summary.json").read_text())
+    assert record["command"] == "diffspec bench (test)" and record["lossless_failures"] == []
+    assert {"cpu", "cpu_flags", "threads", "torch", "transformers", "commit"} <= set(record["machine"])
+    assert set(record["machine"]["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert record["best"]["mine"] in names and len(record["summary"]) == len(names)
+    weights = {m["name"]: m for m in record["methods"]}
+    assert "random" in weights["conditioned"]["weights"] and weights["conditioned"]["notes"]  # which weights ran
+    md = (out / "summary.md").read_text()
+    assert "diffspec bench (test)" in md and "Machine:" in md and "**best**" in md and "| mine | conditioned |" in md
+
+
+def test_sampling_leaves_lossless_null(target, prompt_file):
+    config = BenchConfig(dataset=str(prompt_file), num_prompts=1, max_new_tokens=6, temperature=0.8, seed=1,
+                         methods=("plain", "prompt-lookup"), quiet=True)
+    result = run_bench(config, target)
+    assert result.exit_code == 0 and {r["lossless"] for r in result.rows} == {None}
+
+
+def test_lossless_check_catches_a_deviating_method(target, prompt_file, tmp_path, capsys):
+    registry = dict(METHODS, broken=broken_method())
+    config = BenchConfig(dataset=str(prompt_file), num_prompts=2, max_new_tokens=6, methods=("plain", "broken"),
+                         quiet=True)
+    result = run_bench(config, target, registry=registry, out=str(tmp_path / "out"))
+    assert result.exit_code == 1 and len(result.failures) == 2
+    err = capsys.readouterr().err
+    assert err.count("LOSSLESS FAILURE: broken differs from plain") == 2
+    rows = {r["method"]: r for r in result.rows if r["prompt_id"] == "copy"}
+    assert rows["plain"]["lossless"] is True and rows["broken"]["lossless"] is False
+    assert rows["broken"]["first_difference"] == rows["broken"]["new_tokens"] - 1
+    record = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert len(record["lossless_failures"]) == 2 and record["best"]["mine"] == "plain"
+    assert "LOSSLESS FAILURES" in (tmp_path / "out" / "summary.md").read_text()
+
+
+# --- the command line --------------------------------------------------------------------------
+
+def test_cli_exits_1_on_a_lossless_failure(tiny_model_dir, prompt_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(METHODS, "broken", broken_method())
+    rc = main(["bench", "--model", str(tiny_model_dir), "--dataset", str(prompt_file), "--num-prompts", "1",
+               "--max-new-tokens", "5", "--methods", "broken", "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 1
+    assert "LOSSLESS FAILURE" in capsys.readouterr().err
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["settings"]["methods"] == ["plain", "broken"]
+
+
+def test_cli_list_methods(capsys):
+    assert main(["bench", "--list-methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup", "ar", "specdiff", "dllm-fixed",
+                 "failfast", "conditioned", "conditioned-failfast"):
+        assert f"\n{name} " in "\n" + out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--methods", "plain", "warp-drive"], "unknown method 'warp-drive'"),
+    (["--methods", "failfast:gamma=4"], "method 'failfast' has no parameter 'gamma'"),
+    (["--methods", "conditioned:gamma=many"], "parameter gamma must be an integer"),
+    (["--methods", "ar"], "needs drafter="),
+    (["--sweep", "tau"], "--sweep takes PARAM=V1,V2"),
+    (["--dataset", "EMPTY"], "has no prompts"),
+    (["--dataset", "nowhere.jsonl"], "prompt file not found"),
+    (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    rc = main(["bench", "--out", str(tmp_path / "o"), "--model", "/no/such/model"] + args)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("diffspec: error: ") and message in lines[0]
+
+
+def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from diffspec.bench.plots import make_plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rows = [dict(_row("plain", "a", 1.0), round_emitted=[1], drafted_tokens=0)]
+    assert make_plots(rows, summarize(rows), tmp_path, stderr=sys.stderr) == []
+    assert "matplotlib is not installed: skipping plots" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
