@@ -132,6 +132,19 @@ def test_summary_statistics_on_hand_made_rows():
     assert sampled[0]["lossless"] is None
 
 
+def test_round_profile_splits_wall_time_per_round():
+    from diffspec.bench.report import round_profile
+    rows = [dict(_row("x", "a", 1.0), wall_time_s=1.0, rounds=10, draft_time_s=0.2, verify_time_s=0.6,
+                 prefill_time_s=0.1, new_tokens=25),
+            dict(_row("x", "b", 1.0), wall_time_s=3.0, rounds=30, draft_time_s=0.6, verify_time_s=1.8,
+                 prefill_time_s=0.3, new_tokens=75),
+            dict(_row("hf", "a", 1.0), rounds=None, draft_time_s=None, verify_time_s=None)]
+    (p,) = round_profile(rows)  # HF methods cannot be split, so they are left out
+    assert p["method"] == "x" and p["rounds"] == 40 and p["tokens_per_round"] == 2.5
+    assert (p["ms_per_round"], p["draft_ms"], p["verify_ms"], p["prefill_ms"], p["other_ms"]) == (100, 20, 60, 10, 10)
+    assert p["ms_per_drafter_pass"] == round(1000 * 0.8 / 8, 2)
+
+
 # --- end to end --------------------------------------------------------------------------------
 
 def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, capsys):

@@ -163,3 +163,18 @@ def test_fp16_storage_keeps_token_ids_exact(tmp_path, target):
     model.draft_token_ids.copy_(ids)
     path = save_drafter(ConditionedDrafter(model), tmp_path / "ids")  # fp16 weights by default
     assert torch.equal(load_drafter(path).model.draft_token_ids, ids)
+
+
+def test_auto_takes_a_shipped_drafter_only_when_its_folder_says_default(tmp_path, monkeypatch):
+    import json
+
+    from diffspec import checkpoint
+    from diffspec.drafters import default_drafter_name
+
+    folder = tmp_path / "conditioned"
+    folder.mkdir()
+    monkeypatch.setattr(checkpoint, "shipped_drafter_path", lambda target, kind: folder if kind == "conditioned" else None)
+    for flag, expected in ((None, "prompt-lookup"), (False, "prompt-lookup"), (True, "conditioned")):
+        meta = {"kind": "conditioned"} if flag is None else {"kind": "conditioned", "default": flag}
+        (folder / "config.json").write_text(json.dumps({"diffspec": meta}))
+        assert default_drafter_name("some-target") == expected

@@ -74,6 +74,8 @@ def test_every_drafter_kind_with_failfast_is_lossless_on_smollm2(smol, kind):
 
 def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol):
     """The trained drafter committed in the package: small, fp16, the default, and lossless."""
+    import json
+
     from safetensors import safe_open
 
     from diffspec import make_drafter
@@ -87,9 +89,12 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol):
     with safe_open(str(weights), "pt") as f:
         floats = {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()}
     assert floats == {torch.float16}
-    assert default_drafter_name(smol.name) == "conditioned"
-    drafter = make_drafter("auto", smol)
-    assert isinstance(drafter, ConditionedDrafter)
+    config = json.loads((path / "config.json").read_text())["diffspec"]
+    assert config["training"]["steps"] > 0 and config["target"] == smol.name
+    # `auto` takes the shipped drafter exactly when its folder says measurement made it the default
+    assert default_drafter_name(smol.name) == ("conditioned" if config.get("default") else "prompt-lookup")
+    drafter = make_drafter("conditioned", smol)
+    assert isinstance(drafter, ConditionedDrafter) and str(path) in drafter.name
     accepted = 0
     for prompt in PROMPTS:
         ids = smol.encode_prompt(prompt)

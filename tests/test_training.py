@@ -155,3 +155,10 @@ def test_features_come_back_in_input_order(tiny_model):
     feats = extract_features(tiny_model, seqs, layer_ids=(0,), batch_size=2)
     assert [f.tokens.tolist() for f in feats] == [s for s, _ in seqs]
     assert [f.first_supervised for f in feats] == [2, 1, 1]
+
+
+def test_repeated_target_answers_are_dropped_before_the_held_out_split():
+    from diffspec.training.run import drop_repeated_answers
+    gen = [([1, 2, 9, 9], 2), ([3, 9, 9], 1), ([1, 2, 8], 2), ([4, 5, 9, 9], 2)]
+    kept, dropped = drop_repeated_answers(gen)
+    assert kept == [([1, 2, 9, 9], 2), ([1, 2, 8], 2)] and dropped == 2

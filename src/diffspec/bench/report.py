@@ -75,6 +75,31 @@ def summarize(rows: Sequence[dict]) -> list:
     return out
 
 
+def round_profile(rows: Sequence[dict]) -> list:
+    """Where a round's time goes, per method over all prompts (engine methods only): ms per round
+    of drafting, of the verify pass (+ acceptance and cache rollback), of prefill spread over the
+    rounds, and the rest (sampling bookkeeping, stop checks, detokenising, drafter feedback)."""
+    out = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method and r.get("rounds") and r.get("draft_time_s") is not None]
+        if not rs:
+            continue
+        rounds = sum(r["rounds"] for r in rs)
+        wall = sum(r["wall_time_s"] for r in rs)
+        draft = sum(r["draft_time_s"] for r in rs)
+        verify = sum(r["verify_time_s"] for r in rs)
+        prefill = sum(r.get("prefill_time_s") or 0.0 for r in rs)
+        has_prefill = all(r.get("prefill_time_s") is not None for r in rs)
+        ms = lambda x: round(1000 * x / rounds, 2)  # noqa: E731
+        out.append({"method": method, "rounds": rounds, "tokens_per_round": round(sum(r["new_tokens"] for r in rs) / rounds, 3),
+                    "ms_per_round": ms(wall), "draft_ms": ms(draft), "verify_ms": ms(verify),
+                    "prefill_ms": ms(prefill) if has_prefill else None,
+                    "other_ms": ms(wall - draft - verify - prefill),
+                    "ms_per_drafter_pass": round(1000 * draft / max(1, sum(r["drafter_forward_passes"] for r in rs)), 2)
+                    if any(r["drafter_forward_passes"] for r in rs) else None})
+    return out
+
+
 def best_per_dataset(summary: Sequence[dict]) -> dict:
     """{dataset: method} with the highest median speedup among entries whose lossless is not False."""
     best: dict = {}
@@ -118,6 +143,18 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
                      f"{_fmt(e['speedup_median'], 'x')} | {spread} | {_fmt(e['mean_accepted_length'])} | "
                      f"{_fmt(e['tokens_per_s'], '', 1)} | {_fmt(e['target_forward_passes_mean'], '', 1)} | "
                      f"{_fmt(e['drafter_forward_passes_mean'], '', 1)} | {_yes_no(e['lossless'])} | {mark} |")
+    profile = round_profile(result.rows)
+    if profile:
+        lines += ["", "## Where a round's time goes (all prompts)", "",
+                  "Per draft-verify round, in ms: drafting; the verify pass with acceptance and cache rollback; "
+                  "prefill spread over the rounds (- when not recorded: then it is inside 'other'); the rest "
+                  "(bookkeeping, stop checks, detokenising, drafter feedback).", "",
+                  "| method | rounds | tokens / round | ms / round | draft | verify | prefill | other | ms / drafter pass |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for p in profile:
+            lines.append(f"| {p['method']} | {p['rounds']} | {p['tokens_per_round']:.2f} | {p['ms_per_round']:.1f} | "
+                         f"{p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {_fmt(p['prefill_ms'], '', 1)} | "
+                         f"{p['other_ms']:.1f} | {_fmt(p['ms_per_drafter_pass'], '', 1)} |")
     lines += ["", "## Methods", "", "| method | weights | policy | notes |", "|---|---|---|---|"]
     for meth in result.methods:
         notes = "; ".join(meth["notes"]).replace("|", "/") or ""
@@ -148,6 +185,7 @@ def write_outputs(result, out, raster_prompt: Optional[str] = None, stderr: Opti
             f.write(json.dumps(row) + "\n")
     record = {"command": result.settings["command"], "machine": result.machine, "settings": result.settings,
               "methods": list(result.methods), "summary": summary, "best": best,
+              "round_profile": round_profile(result.rows),
               "lossless_failures": list(result.failures), "plots": [Path(p).name for p in plots]}
     files[1].write_text(json.dumps(record, indent=1) + "\n")
     files[2].write_text(markdown(result, summary, best, plots))

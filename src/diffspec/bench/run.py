@@ -14,6 +14,7 @@ temperature > 0 `lossless` is None (outputs are samples; the engine's distributi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import shlex
@@ -177,6 +178,7 @@ def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids,
         "target_forward_passes": outcome.target_forward_passes, "drafter_forward_passes": outcome.drafter_forward_passes,
         "draft_time_s": None if outcome.draft_time_s is None else round(outcome.draft_time_s, 5),
         "verify_time_s": None if outcome.verify_time_s is None else round(outcome.verify_time_s, 5),
+        "prefill_time_s": None if outcome.prefill_time_s is None else round(outcome.prefill_time_s, 5),
         "rounds": len(rounds) if rounds else None,
         "drafted_tokens": sum(r[0] for r in rounds), "accepted_tokens": sum(r[1] for r in rounds),
         "round_drafted": [r[0] for r in rounds], "round_accepted": [r[1] for r in rounds],
@@ -221,6 +223,10 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                         "weights": runner.weights, "policy": runner.policy, "notes": list(notes)})
 
     rows, failures = [], []
+    partial = None
+    if out is not None:  # rows are appended as they come, so a killed long run keeps what it measured
+        Path(out).mkdir(parents=True, exist_ok=True)
+        partial = open(Path(out) / "results.partial.jsonl", "w")
     progress = Progress(len(prompts) * config.repeats * len(specs), stderr, config.quiet)
     with quiet_libraries():
         for spec in specs:  # warm-up: one short generation per method
@@ -240,6 +246,9 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                 row = _row(spec, runners[spec.name], prompt, ids, times[spec.name], outcomes[spec.name], base,
                            plain_ids, sampling.greedy)
                 rows.append(row)
+                if partial is not None:
+                    partial.write(json.dumps(row) + "\n")
+                    partial.flush()
                 if row["lossless"] is False:
                     i = row["first_difference"]
                     mine, theirs = row["token_ids"][i: i + 1], list(plain_ids[i: i + 1])
@@ -248,6 +257,8 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                     progress.stream.write("\n" if not config.quiet else "")
                     print(f"diffspec: LOSSLESS FAILURE: {failures[-1]}", file=stderr, flush=True)
     progress.close()
+    if partial is not None:
+        partial.close()
 
     settings = {"dataset": config.dataset, "num_prompts": config.num_prompts, "prompts": len(prompts),
                 "max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "seed": config.seed,
@@ -258,5 +269,6 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
     result = BenchResult(tuple(rows), tuple(methods), tuple(failures), machine_info(), settings)
     if out is not None:
         files = write_outputs(result, out, config.raster_prompt, stderr=stderr)
+        (Path(out) / "results.partial.jsonl").unlink(missing_ok=True)  # complete: results.jsonl has every row
         result = BenchResult(result.rows, result.methods, result.failures, result.machine, result.settings, files)
     return result

@@ -20,7 +20,8 @@ from .masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTER_NAMES = {
-    "auto": "the default: the shipped trained drafter for this target if there is one, else prompt-lookup",
+    "auto": "the default: the shipped trained drafter for this target if measurement made it the default, else "
+            "prompt-lookup",
     "none": "no drafter: plain autoregressive decoding through the same engine (the fair baseline)",
     "prompt-lookup": "n-gram copy from the prompt and the text so far (training-free)",
     "block-diffusion": "block-diffusion dLLM (Fast-dLLM v2 semantics), FailFast's drafter",
@@ -43,10 +44,17 @@ def weights_for(kind: str, target_name: Optional[str]) -> str:
 
 
 def default_drafter_name(target_name: Optional[str]) -> str:
-    """What `auto` means for a target: its shipped conditioned drafter, else prompt lookup."""
+    """What `auto` means for a target: a shipped drafter whose folder says measurement made it the
+    default (`"default": true` in its config's diffspec object), else prompt lookup."""
+    import json
+
     from ..checkpoint import shipped_drafter_path
 
-    return "conditioned" if shipped_drafter_path(target_name, "conditioned") else "prompt-lookup"
+    for kind in TRAINABLE_KINDS:
+        path = shipped_drafter_path(target_name, kind)
+        if path and json.loads((path / "config.json").read_text()).get("diffspec", {}).get("default") is True:
+            return kind
+    return "prompt-lookup"
 
 
 def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.float32,

@@ -39,16 +39,16 @@ class TrainRequest:
     target: Optional[str] = None
     kind: str = "conditioned"
     corpus: str = "sharegpt"
-    generate: int = 256             # prompts the target answers itself (alignment data)
-    corpus_sequences: int = 256     # conversations used as teacher-forced text
-    response_tokens: int = 192      # max new tokens per generated answer
-    seq_len: int = 512              # max tokens per training sequence
+    generate: int = 800             # prompts the target answers itself (alignment data)
+    corpus_sequences: int = 1500    # conversations used as teacher-forced text
+    response_tokens: int = 160      # max new tokens per generated answer
+    seq_len: int = 384              # max tokens per training sequence
     data_time_share: float = 0.4    # at most this share of --max-time goes to generating answers
     max_time: Optional[float] = None    # seconds for the whole command
     max_tokens: Optional[int] = None    # supervised slots
     steps: Optional[int] = None
     block_size: int = 8
-    layers: int = 1
+    layers: int = 2
     anchors: int = 32
     sequences_per_step: int = 2
     lr: float = 6e-4
@@ -97,6 +97,9 @@ def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) 
     generated = generate_responses(target.model, tok, prompts, req.response_tokens, batch_size=16,
                                    stop_ids=sorted(target.stop_token_ids), deadline=gen_deadline,
                                    progress=lambda i, n: _say(req, f"target answers {i}/{n}") if i % 64 == 0 else None)
+    generated, repeats = drop_repeated_answers(generated)
+    if repeats:
+        _say(req, f"dropped {repeats} repeated target answers (a repeat in train and held-out would inflate the held-out figure)")
     gen_tokens = sum(len(s) - p for s, p in generated)
     _say(req, f"target generated {len(generated)} answers ({gen_tokens} tokens) in {time.time() - t0:.0f} s")
     teacher = [render_conversation(tok, c, req.seq_len) for c in convs[req.generate: req.generate + req.corpus_sequences]]
@@ -138,6 +141,18 @@ def choose_train_dtype(requested: str, device: str, width: int = 576, vocab: int
     return (torch.bfloat16 if bf16 * 1.25 < fp32 else torch.float32), why
 
 
+def drop_repeated_answers(generated: list) -> tuple:
+    """[(ids, prompt_len)] -> (first occurrence of each distinct answer, how many were dropped). Small
+    targets answer many different prompts with the same line ('Hello! How can I assist you today?')."""
+    seen, kept = set(), []
+    for ids, start in generated:
+        key = tuple(ids[start:])
+        if key not in seen:
+            seen.add(key)
+            kept.append((ids, start))
+    return kept, len(generated) - len(kept)
+
+
 def _save_plot(log: list, path: Path) -> None:
     try:
         import matplotlib
@@ -159,6 +174,7 @@ def train_drafter(req: TrainRequest) -> dict:
     from ..target import Target
 
     _validate(req)
+    machine = machine_info(req.device)  # read at the start: the code that trains is the code checked out now
     t_start = time.time()
     deadline = t_start + req.max_time if req.max_time else None
     out = Path(req.out)
@@ -259,7 +275,7 @@ def train_drafter(req: TrainRequest) -> dict:
               "held_out_mean_accepted_length_before": before, "held_out_mean_accepted_length_after": after,
               "final_loss": state["log"][-1]["loss"] if state["log"] else None,
               "train_dtype": str(amp_dtype).replace("torch.", ""), "train_dtype_choice": why,
-              "machine": machine_info(req.device)}
+              "machine": machine}
     save_drafter(trainer.drafter(), out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
                  training=record)
     with open(out / "train_log.jsonl", "w") as f:
