@@ -9,13 +9,13 @@ is a DiffspecError naming the file and line.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..datasets import SETS, load_prompts
 from ..errors import DiffspecError
+from ..training.data import iter_jsonl
 
 PROMPT_FIELDS = ("prompt", "text", "question")
 
@@ -43,23 +43,16 @@ def load_jsonl_prompts(path) -> list:
     if not path.is_file():
         raise DiffspecError(f"prompt file not found: {path}")
     out, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DiffspecError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            text = _prompt_of(obj) if isinstance(obj, dict) else None
-            if not text or not text.strip():
-                raise DiffspecError(f"{path}:{lineno}: expected an object with a non-empty \"prompt\" "
-                                    f"(or \"text\", \"question\", \"turns\"[0]) field")
-            pid = str(obj.get("id", f"line{lineno}"))
-            if pid in seen:
-                raise DiffspecError(f"{path}:{lineno}: duplicate id '{pid}'")
-            seen.add(pid)
-            out.append((pid, text))
+    for lineno, obj in iter_jsonl(path):
+        text = _prompt_of(obj) if isinstance(obj, dict) else None
+        if not text or not text.strip():
+            raise DiffspecError(f"{path}:{lineno}: expected an object with a non-empty \"prompt\" "
+                                f"(or \"text\", \"question\", \"turns\"[0]) field")
+        pid = str(obj.get("id", f"line{lineno}"))
+        if pid in seen:
+            raise DiffspecError(f"{path}:{lineno}: duplicate id '{pid}'")
+        seen.add(pid)
+        out.append((pid, text))
     if not out:
         raise DiffspecError(f"prompt file {path} has no prompts")
     return out

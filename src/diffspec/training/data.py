@@ -77,6 +77,18 @@ def load_sharegpt(limit: Optional[int] = None) -> list:
     return convs
 
 
+def iter_jsonl(path: Path) -> Iterator[tuple]:
+    """(line number, parsed object) for every non-blank line; bad JSON is an error naming file:line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DiffspecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+
+
 def load_corpus(spec: str = "sharegpt", limit: Optional[int] = None) -> list:
     """'sharegpt', a .jsonl file (lines with "messages"/"conversations" or "text"/"prompt"), or a
     plain text file (paragraphs separated by blank lines become single user turns)."""
@@ -87,13 +99,7 @@ def load_corpus(spec: str = "sharegpt", limit: Optional[int] = None) -> list:
         raise DiffspecError(f"corpus not found: {spec} (use 'sharegpt', a .jsonl or a text file)")
     convs = []
     if path.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DiffspecError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+        for _, obj in iter_jsonl(path):
             msgs = to_messages(obj) if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj) else []
             if not msgs and isinstance(obj, dict):
                 text = obj.get("text") or obj.get("prompt") or obj.get("question")
