@@ -289,28 +289,12 @@ def train_drafter(req: TrainRequest) -> dict:
 
 
 def machine_info(device: str) -> dict:
-    """What the run ran on (recorded with the drafter)."""
-    import platform
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})}
+    """What the run ran on (recorded with the drafter): bench's machine record, plus the GPU if used."""
+    from ..bench.run import machine_info as host_info
+
+    info = host_info()
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    try:
-        import subprocess
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except Exception:
-        info["commit"] = None
     return info
 
 
