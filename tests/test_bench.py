@@ -73,6 +73,16 @@ def test_all_takes_the_first_n_of_each_set():
     assert [p.dataset for p in prompts] == ["humaneval"] * 2 + ["mtbench"] * 2 + ["champ"] * 2
 
 
+def test_comma_separated_sets_and_files_keep_their_names(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    prompts = load_bench_prompts(f"humaneval, {f}", 1)
+    assert [(p.dataset, p.text) for p in prompts][1:] == [("mine", "a")]
+    assert prompts[0].dataset == "humaneval"
+    with pytest.raises(DiffspecError, match="unknown dataset 'nope'"):
+        load_bench_prompts("mtbench,nope", 1)
+
+
 def test_jsonl_prompts(tmp_path, prompt_file):
     assert load_jsonl_prompts(prompt_file) == [("copy", "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"), ("line2", "w10 w11 w12 w13")]
     other = tmp_path / "other.jsonl"

@@ -80,3 +80,23 @@ def test_cli_tokenizer_mismatch(tiny_model_dir, tmp_path):
     other_tok.save_pretrained(tmp_path)
     proc = cli("generate", "w1 w2", "--model", str(tiny_model_dir), "--drafter", f"ar:{tmp_path}")
     assert proc.returncode == 2 and "tokenizer mismatch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+class _Vocab:
+    def __init__(self, vocab, special):
+        self.vocab, self.all_special_tokens = vocab, special
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_tokenizer_fingerprint_is_the_vocabulary_alone():
+    """Which tokens are called special changes between transformers versions for one GGUF (5.17
+    names <|im_start|> EOS, 5.23 <|im_end|>); the ids a drafter emits do not."""
+    from diffspec.target import tokenizer_fingerprint
+
+    a = _Vocab({"<|im_start|>": 1, "<|im_end|>": 2, "x": 3}, ["<|im_start|>"])
+    b = _Vocab({"<|im_start|>": 1, "<|im_end|>": 2, "x": 3}, ["<|im_start|>", "<|im_end|>"])
+    c = _Vocab({"<|im_start|>": 1, "<|im_end|>": 3, "x": 2}, ["<|im_start|>"])
+    assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+    assert tokenizer_fingerprint(a) != tokenizer_fingerprint(c)

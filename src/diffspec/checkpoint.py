@@ -80,7 +80,7 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
 def _stored(state: dict, dtype: torch.dtype) -> dict:
     """Floating tensors in the storage dtype; integer tensors (token ids) untouched: fp16 cannot
     hold integers above 2048 exactly."""
-    return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous() for k, v in state.items()}
+    return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous() for k, v in state.items()}
 
 
 def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:

@@ -127,6 +127,7 @@ def _add_bench_parser(sub, default_model: str) -> None:
     b.add_argument("--model", default=None, help=f"target (default {default_model})")
     b.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    b.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     b.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
     b.add_argument("--raster-prompt", default=None, help="prompt id for the acceptance raster (default the first)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -231,7 +232,9 @@ def _bench(args) -> int:
                          quiet=args.quiet, command=shlex.join(["diffspec"] + list(sys.argv[1:] if args.argv is None
                                                                                   else args.argv)))
     prepare(config)  # bad methods, parameters or prompt files fail before the model loads
-    target = Target.load(args.model, dtype=parse_dtype(args.dtype), quiet=args.quiet)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    target = Target.load(args.model, dtype=parse_dtype(args.dtype), device=args.device, quiet=args.quiet)
     result = run_bench(config, target, out=args.out)
     best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
     print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)

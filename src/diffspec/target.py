@@ -27,10 +27,11 @@ class TargetOutput:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the vocabulary (token -> id) and special tokens: equal means interchangeable ids."""
+    """A hash of the vocabulary (token -> id): equal means interchangeable ids. Which tokens count as
+    "special" is left out: it is metadata that changes between transformers versions for the same
+    file (SmolLM2's GGUF under transformers 5.17 names <|im_start|> its EOS, 5.23 <|im_end|>)."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    blob = json.dumps(vocab, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

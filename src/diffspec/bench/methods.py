@@ -59,6 +59,12 @@ class Runner:
         raise NotImplementedError
 
 
+def sync(device) -> None:
+    """Wait for queued GPU work, so a wall-clock reading covers it (no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class EngineRunner(Runner):
     """A SpeculativeEngine (no drafter = plain decoding through the same loop)."""
 
@@ -68,8 +74,10 @@ class EngineRunner(Runner):
         self.policy = engine.policy.describe() if engine.drafter is not None else "-"
 
     def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        sync(self.engine.target.device)
         t0 = time.perf_counter()
         r = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling)
+        sync(self.engine.target.device)
         wall = time.perf_counter() - t0
         return Outcome(token_ids=tuple(r.token_ids), wall_time_s=wall, target_forward_passes=r.target_forward_passes,
                        drafter_forward_passes=r.drafter_forward_passes, mean_accepted_length=r.mean_accepted_length,
@@ -113,9 +121,11 @@ class HFRunner(Runner):
         try:
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
+            sync(ids.device)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            sync(ids.device)
             wall = time.perf_counter() - t0
         finally:
             hook.remove()

@@ -1,7 +1,7 @@
 """Prompt sets for `diffspec bench`: the packaged sets (diffspec.datasets) and the user's JSONL.
 
 `load_bench_prompts(spec, num_prompts)` -> [BenchPrompt], spec one of `humaneval`, `mtbench`,
-`champ`, `all` (the three, in that order) or a path to a `.jsonl` file: one JSON object per line
+`champ`, `all` (the three, in that order), a comma-separated list of those, or a path to a `.jsonl` file: one JSON object per line
 with the prompt in "prompt" (or "text", "question", or "turns"[0]) and an optional "id". Blank
 lines are skipped; a missing file, a line that is not such an object, or a file with no prompts
 is a DiffspecError naming the file and line.
@@ -62,6 +62,8 @@ def load_bench_prompts(spec: str, num_prompts: Optional[int] = None) -> list:
     """The first `num_prompts` prompts (None = all) of each named set, as BenchPrompts."""
     if num_prompts is not None and num_prompts < 1:
         raise DiffspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if "," in spec:  # several sets or files in one run, each under its own name
+        return [p for part in spec.split(",") if part.strip() for p in load_bench_prompts(part.strip(), num_prompts)]
     if spec == "all":
         names = list(SETS)
     elif spec in SETS:

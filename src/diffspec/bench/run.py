@@ -108,6 +108,7 @@ def machine_info() -> dict:
             commit += "-dirty"
     except (OSError, subprocess.SubprocessError):
         pass
+    commit = commit or os.environ.get("DIFFSPEC_COMMIT", "")  # a copy without .git (e.g. a GPU box) says it
     return {"cpu": model, "cpu_flags": {f: f in flags for f in CPU_FLAGS}, "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "commit": commit or None}
@@ -266,7 +267,10 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                 "sweep": list(config.sweep), "target": getattr(target, "name", None),
                 "target_dtype": str(getattr(target, "dtype", "")).replace("torch.", ""),
                 "command": config.command or shlex.join(["diffspec", "bench"])}
-    result = BenchResult(tuple(rows), tuple(methods), tuple(failures), machine_info(), settings)
+    machine = machine_info()
+    if getattr(target, "device", torch.device("cpu")).type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(target.device)
+    result = BenchResult(tuple(rows), tuple(methods), tuple(failures), machine, settings)
     if out is not None:
         files = write_outputs(result, out, config.raster_prompt, stderr=stderr)
         (Path(out) / "results.partial.jsonl").unlink(missing_ok=True)  # complete: results.jsonl has every row

@@ -57,9 +57,10 @@ def make_block_body(target_model, layers: int):
 
 
 def noisy_copy(x: torch.Tensor, block: int, mask_id: int, rng: random.Random) -> tuple:
-    """x [T] (T a multiple of block) -> (y [T] with masks, masked [T] bool)."""
+    """x [T] (T a multiple of block) -> (y [T] with masks, masked [T] bool), on x's device (the
+    mask is drawn on the CPU: element-wise writes to a GPU tensor would each be a kernel launch)."""
     y = x.clone()
-    masked = torch.zeros_like(x, dtype=torch.bool)
+    masked = torch.zeros(x.shape, dtype=torch.bool)
     for s in range(0, x.shape[0], block):
         keep = rng.randrange(block)                                 # visible prefix of this block
         ratio = 1.0 if rng.random() < 0.5 else rng.uniform(0.1, 1.0)
@@ -68,17 +69,18 @@ def noisy_copy(x: torch.Tensor, block: int, mask_id: int, rng: random.Random) ->
                 masked[i] = True
         if not masked[s + keep: s + block].any() and s + keep > 0:
             masked[s + keep] = True
+    masked = masked.to(x.device)
     y[masked] = mask_id
     return y, masked
 
 
-def two_copy_mask(T: int, block: int) -> torch.Tensor:
+def two_copy_mask(T: int, block: int, device="cpu") -> torch.Tensor:
     """[1, 1, 2T, 2T] bool for [clean ; noisy] (see the module docstring)."""
-    b = torch.arange(T) // block
+    b = torch.arange(T, device=device) // block
     clean_clean = b[None, :] <= b[:, None]
     noisy_clean = b[None, :] < b[:, None]
     noisy_noisy = b[None, :] == b[:, None]
-    top = torch.cat([clean_clean, torch.zeros(T, T, dtype=torch.bool)], 1)
+    top = torch.cat([clean_clean, torch.zeros(T, T, dtype=torch.bool, device=device)], 1)
     bottom = torch.cat([noisy_clean, noisy_noisy], 1)
     return torch.cat([top, bottom], 0)[None, None]
 
@@ -92,8 +94,9 @@ def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int,
     x = seq.tokens[:T]
     y, masked = noisy_copy(x, block, mask_id, rng)
     ids = torch.cat([x, y])[None]
-    pos = torch.cat([torch.arange(T), torch.arange(T)])[None]
-    hidden = model.model(input_ids=ids, attention_mask=two_copy_mask(T, block), position_ids=pos).last_hidden_state[0]
+    pos = torch.arange(T, device=x.device).repeat(2)[None]
+    hidden = model.model(input_ids=ids, attention_mask=two_copy_mask(T, block, x.device),
+                         position_ids=pos).last_hidden_state[0]
     idx = masked.nonzero().flatten()
     idx = idx[idx >= max(1, seq.first_supervised)]
     if idx.numel() == 0:
@@ -121,8 +124,8 @@ def block_held_out_acceptance(drafter, sequences: Sequence[SequenceFeatures], an
         for a in sorted(rng.sample(cand, min(anchors_per_sequence, len(cand)))):
             drafter.begin(None)
             d = drafter.propose(seq.tokens[: a + 1], FixedPolicy(B - 1), B - 1, SamplingParams(), None)
-            truth = seq.target_next[a: a + len(d)]
-            lead = int(torch.cumprod((d.tokens == truth).long(), 0).sum()) if len(d) else 0
+            truth = seq.target_next[a: a + len(d)].cpu()
+            lead = int(torch.cumprod((d.tokens.cpu() == truth).long(), 0).sum()) if len(d) else 0
             total += lead + 1
             count += 1
     return total / max(1, count)

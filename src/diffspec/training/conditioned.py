@@ -58,7 +58,7 @@ def choose_draft_vocab(sequences: Sequence[SequenceFeatures], size: int, always:
     -> (sorted ids [size], share of supervised labels they cover)."""
     counts = torch.zeros(int(max(int(s.target_next.max()) for s in sequences)) + 1, dtype=torch.long)
     for s in sequences:
-        counts += torch.bincount(s.target_next[max(0, s.first_supervised - 1):], minlength=counts.shape[0])
+        counts += torch.bincount(s.target_next[max(0, s.first_supervised - 1):].cpu(), minlength=counts.shape[0])
     for t in always:
         if t < counts.shape[0]:
             counts[t] = counts.max() + 1
@@ -76,15 +76,16 @@ def block_batch(model: ConditionedDraftModel, seq: SequenceFeatures, anchors: Se
     cfg = model.cfg
     B = cfg.block_size
     dtype = next(model.parameters()).dtype
+    dev = seq.tokens.device
     ctx_len = max(anchors)  # features of positions < max anchor are all any block may see
-    anchors_t = torch.tensor(anchors)
-    ctx_pos = torch.arange(ctx_len)
+    anchors_t = torch.tensor(anchors, device=dev)
+    ctx_pos = torch.arange(ctx_len, device=dev)
     kv = model.context_keys_values(seq.hidden[:ctx_len].to(dtype), ctx_pos)
-    block_tokens = torch.full((len(anchors), B), cfg.mask_token_id, dtype=torch.long)
+    block_tokens = torch.full((len(anchors), B), cfg.mask_token_id, dtype=torch.long, device=dev)
     block_tokens[:, 0] = seq.tokens[anchors_t]
-    positions = (anchors_t[:, None] + torch.arange(B)[None, :]).reshape(-1)
+    positions = (anchors_t[:, None] + torch.arange(B, device=dev)[None, :]).reshape(-1)
     sees_ctx = ctx_pos[None, :] < anchors_t.repeat_interleave(B)[:, None]          # strictly before the anchor
-    block_id = torch.arange(len(anchors)).repeat_interleave(B)
+    block_id = torch.arange(len(anchors), device=dev).repeat_interleave(B)
     sees_block = block_id[:, None] == block_id[None, :]                             # own block only, both ways
     mask = torch.cat([sees_ctx, sees_block], dim=1)
     hidden = model(embed(block_tokens.reshape(-1)).to(dtype), positions, kv, attn_mask=mask)
@@ -97,19 +98,20 @@ def block_loss(model, seq: SequenceFeatures, anchors: Sequence[int], embed, head
     B = model.cfg.block_size
     hidden, anchors_t = block_batch(model, seq, anchors, embed)
     T = seq.tokens.shape[0]
-    pos = anchors_t[:, None] + torch.arange(1, B)[None, :]                          # [A, B-1] predicted positions
+    dev = anchors_t.device
+    pos = anchors_t[:, None] + torch.arange(1, B, device=dev)[None, :]              # [A, B-1] predicted positions
     valid = pos < T
     pos_c = pos.clamp(max=T - 1)
     labels = seq.target_next[pos_c - 1] if objective == "target" else seq.tokens[pos_c]
     if model.cfg.draft_vocab:  # labels as indices into the draft vocabulary; others cannot be drafted
-        index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long)  # target id -> draft index
-        index_of[model.draft_token_ids] = torch.arange(model.cfg.draft_vocab)
+        index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)  # target id -> draft index
+        index_of[model.draft_token_ids] = torch.arange(model.cfg.draft_vocab, device=dev)
         labels = index_of[labels]
         valid = valid & (labels >= 0)
         labels = labels.clamp(min=0)
     logits = hidden[:, 1:].float() @ model.head_weight(head_weight).float().T       # [A, B-1, V or draft vocab]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(pos)
-    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / slot_decay)[None, :] * valid
+    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=dev) / slot_decay)[None, :] * valid
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     acc = (logits[:, 0].argmax(-1) == labels[:, 0]).float().mean()
     return loss, int(valid.sum()), float(acc)
@@ -130,7 +132,7 @@ def held_out_acceptance(model, sequences: Sequence[SequenceFeatures], embed, hea
         anchors = sorted(rng.sample(cand, min(max_anchors, len(cand))))
         hidden, anchors_t = block_batch(model, seq, anchors, embed)
         draft = model.to_target_ids((hidden[:, 1:].float() @ model.head_weight(head_weight).float().T).argmax(-1))
-        pos = anchors_t[:, None] + torch.arange(1, B)[None, :]
+        pos = anchors_t[:, None] + torch.arange(1, B, device=anchors_t.device)[None, :]
         truth = seq.target_next[pos - 1]
         lead = torch.cumprod((draft == truth).long(), dim=1).sum(1)
         total += float((lead + 1).sum())

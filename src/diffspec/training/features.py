@@ -73,7 +73,7 @@ def generate_responses(model, tokenizer, prompts: Sequence[list], max_new_tokens
         for row, i in enumerate(idx):  # left padding
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             att[row, width - len(prompts[i]):] = 1
-        gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=att.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad, eos_token_id=list(stop_ids) or None)
         for row, i in enumerate(idx):
             resp = gen[row, width:].tolist()
@@ -103,6 +103,7 @@ def extract_features(model, sequences: Sequence[tuple], layer_ids: Sequence[int]
         for row, i in enumerate(idx):  # right padding: causal positions are unaffected
             ids[row, : len(sequences[i][0])] = torch.tensor(sequences[i][0])
             att[row, : len(sequences[i][0])] = 1
+        ids, att = ids.to(model.device), att.to(model.device)
         out = model(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
         hidden = torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1)
         nxt = out.logits.argmax(-1)

@@ -94,7 +94,8 @@ def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) 
     prompts = [p for p in (render_prompt(tok, c, req.seq_len // 2) for c in convs[: req.generate]) if p]
     t0 = time.time()
     gen_deadline = None if deadline is None else t0 + req.data_time_share * (deadline - t0)
-    generated = generate_responses(target.model, tok, prompts, req.response_tokens, batch_size=16,
+    on_cpu = req.device == "cpu"  # a GPU takes far wider batches at about the same step time
+    generated = generate_responses(target.model, tok, prompts, req.response_tokens, batch_size=16 if on_cpu else 256,
                                    stop_ids=sorted(target.stop_token_ids), deadline=gen_deadline,
                                    progress=lambda i, n: _say(req, f"target answers {i}/{n}") if i % 64 == 0 else None)
     generated, repeats = drop_repeated_answers(generated)
@@ -107,7 +108,7 @@ def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) 
     held = max(2, len(generated) // 20) if len(generated) >= 8 else 0
     t1 = time.time()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    feats = extract_features(target.model, generated + teacher, layer_ids, batch_size=8, pad_id=pad)
+    feats = extract_features(target.model, generated + teacher, layer_ids, batch_size=8 if on_cpu else 64, pad_id=pad)
     aligned, other = feats[: len(generated)], feats[len(generated):]
     random.Random(req.seed).shuffle(aligned)  # hold out a random sample of the target's own answers
     _say(req, f"target features for {len(feats)} sequences in {time.time() - t1:.0f} s")
