@@ -1,6 +1,6 @@
 """The measurement loop of `diffspec bench`.
 
-Discipline (as benchmarks/speed_check.py): every method is built first (drafter weights loaded,
+Discipline: every method is built first (drafter weights loaded,
 warnings recorded, not shown), then warmed up with one short generation; then for each prompt
 and each repeat every method runs in turn (A B C, A B C, ...), so machine drift hits all alike.
 A row per method x prompt holds the median wall time over repeats and the statistics of the
