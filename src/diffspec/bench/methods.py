@@ -8,6 +8,7 @@ expands a method into the cross product of parameter values (`failfast[tau=0.3,n
 Every runner generates from prompt token ids and returns an `Outcome`; what it counts:
 - engine methods (`plain`, `prompt-lookup`, `ar`, `specdiff`, `dllm-fixed`, `failfast`,
   `conditioned`, `conditioned-failfast`): the engine's own statistics (GenerationResult);
+- `dflash-ref`: the DFlash reference package's own loop on the same weights (DFlashRefRunner);
 - transformers methods (`hf-generate`, `hf-prompt-lookup`): `model.generate` on the target's HF
   model, target forward passes counted by a forward hook. HF's prefill pass also emits the first
   token, so every pass is a round: mean accepted length = new tokens / target passes (1.0 for
@@ -136,6 +137,115 @@ class HFRunner(Runner):
                        mean_accepted_length=len(new) / max(1, calls[0]), finish_reason=finish)
 
 
+class DFlashRefRunner(Runner):
+    """z-lab's reference decoding loop, `dflash.model.dflash_generate` (PyPI `dflash` 0.1.0, an
+    optional dependency), with the drafter's weights loaded by the reference's own
+    `DFlashDraftModel.from_pretrained` in the target's dtype, on the target's HF model. It drafts
+    a whole block every round (no length policy; `block_size` overrides the drafter's block, the
+    reference's own knob) and verifies it in one target pass.
+
+    What it counts: target and drafter passes by forward hooks; emitted tokens per round from the
+    reference's own `acceptance_lengths` (`return_stats=True`, with its CUDA-only timer swapped for
+    a device-neutral one during the call); the prefill's first token is in no round, so mean
+    accepted length = (new tokens - 1) / rounds, DFlash's own figure. On the CPU, hooks also time
+    the draft (drafter pass + its LM-head logits) and the verify passes; None on a GPU, where that
+    timing would need synchronising inside the loop.
+    """
+
+    def __init__(self, target, spec: str, block_size: Optional[int] = None):
+        import tempfile
+
+        from ..dflash_format import reference, reference_folder
+        from ..models import _no_progress_bars
+
+        model_class, self._generate = reference()
+        self.target = target
+        self._scratch = tempfile.TemporaryDirectory(prefix="diffspec-dflash-ref-")
+        folder = reference_folder(spec, target, self._scratch.name)
+        with _no_progress_bars():
+            self.model = model_class.from_pretrained(str(folder), dtype=target.dtype).to(target.device).eval()
+        if block_size is not None and block_size < 2:
+            raise DiffspecError(f"dflash-ref: block_size must be >= 2, got {block_size}")
+        self.block_size = b = block_size or self.model.block_size
+        self.weights = (f"dflash reference: {spec} (block {self.model.block_size}, layers {len(self.model.layers)}, "
+                        f"target layers {list(self.model.target_layer_ids)})")
+        self.policy = f"fixed({b - 1}) (whole block of {b}, reference loop)"
+        self._clock = {"target": [], "draft": 0.0, "drafter_passes": 0}
+        self._timed = torch.device(target.device).type == "cpu"
+        inner = self.model.compute_logits
+
+        def compute_logits(*args, **kwargs):  # the drafts' LM-head logits count as drafting
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self._clock["draft"] += time.perf_counter() - t0
+            return out
+
+        self.model.compute_logits = compute_logits
+
+    def _hooks(self) -> list:
+        clock, starts = self._clock, {}
+
+        def pre(name):
+            return lambda *_: starts.__setitem__(name, time.perf_counter())
+
+        def target_done(*_):
+            clock["target"].append(time.perf_counter() - starts["target"])
+
+        def drafter_done(*_):
+            clock["draft"] += time.perf_counter() - starts["drafter"]
+            clock["drafter_passes"] += 1
+
+        m, d = self.target.model, self.model
+        return [m.register_forward_pre_hook(pre("target")), m.register_forward_hook(target_done),
+                d.register_forward_pre_hook(pre("drafter")), d.register_forward_hook(drafter_done)]
+
+    def _call(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams):
+        """dflash_generate(..., return_stats=True) with its timer made device-neutral for the call."""
+        import dflash.model as ref
+
+        device = self.target.device
+        stops = sorted(self.target.stop_token_ids) or None
+        cuda_time = ref._cuda_time
+        ref._cuda_time = lambda: (sync(device), time.perf_counter())[1]
+        try:
+            return self._generate(self.model, self.target.model, ids, max_new_tokens, stops,
+                                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                  block_size=self.block_size, return_stats=True)
+        finally:
+            ref._cuda_time = cuda_time
+
+    def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        max_new_tokens = min(max_new_tokens, self.target.max_context - len(prompt_ids))
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.target.device)
+        self._clock.update(target=[], draft=0.0, drafter_passes=0)
+        hooks = self._hooks()
+        try:
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            sync(ids.device)
+            t0 = time.perf_counter()
+            stats = self._call(ids, max_new_tokens, sampling)
+            sync(ids.device)
+            wall = time.perf_counter() - t0
+        finally:
+            for h in hooks:
+                h.remove()
+        new = tuple(int(t) for t in stats.output_ids[0, ids.shape[1]:].tolist())
+        emitted = [int(n) for n in stats.acceptance_lengths]
+        rounds, start, end = [], ids.shape[1], ids.shape[1] + max_new_tokens
+        for n in emitted:  # the reference drafts min(block, room) - 1 tokens a round
+            rounds.append((min(self.block_size, end - start) - 1, max(n - 1, 0), n))
+            start += n
+        finish = "stop" if new and new[-1] in self.target.stop_token_ids else "length"
+        passes = self._clock["target"]
+        return Outcome(token_ids=new, wall_time_s=wall, target_forward_passes=len(passes),
+                       drafter_forward_passes=self._clock["drafter_passes"],
+                       mean_accepted_length=sum(emitted) / len(emitted) if emitted else 1.0,
+                       draft_time_s=self._clock["draft"] if self._timed else None,
+                       verify_time_s=sum(passes[1:]) if self._timed else None, rounds=tuple(rounds),
+                       finish_reason=finish, prefill_time_s=stats.time_to_first_token)
+
+
 # --- the registry ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -211,6 +321,10 @@ def _hf_builder(lookup: bool) -> Callable:
     return build
 
 
+def _dflash_ref_builder(target, values: dict) -> Runner:
+    return DFlashRefRunner(target, values["drafter"], values.get("block_size"))
+
+
 def _drafter(default: Optional[str]) -> Param:
     return Param("drafter", str, default, "drafter name or folder")
 
@@ -242,6 +356,10 @@ METHODS: dict = {m.name: m for m in [
               (_drafter("conditioned"), _GAMMA), _engine_builder(None, "fixed")),
     MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
               (_drafter("conditioned"),) + _FAILFAST, _engine_builder(None, "failfast")),
+    MethodDef("dflash-ref", "z-lab's reference dflash_generate with the same conditioned drafter's weights "
+                            "(optional: pip install --no-deps dflash==0.1.0)",
+              (_drafter("conditioned"), Param("block_size", int, None, "the reference's block (default: the drafter's)")),
+              _dflash_ref_builder),
 ]}
 
 

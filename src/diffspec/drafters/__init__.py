@@ -1,7 +1,8 @@
 """Drafters, chosen by a stable name (other tools read these names):
 
 `none`, `prompt-lookup`, `block-diffusion`, `masked-diffusion`, `conditioned`, `ar:PATH`, a drafter
-folder, or a published layout `fast-dllm-v2:PATH` / `dream:PATH`.
+folder (diffspec's or a DFlash checkpoint; a hub id `owner/name` is fetched), or a published layout
+`fast-dllm-v2:PATH` / `dream:PATH`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ DRAFTER_NAMES = {
     "masked-diffusion": "masked-diffusion dLLM with T denoising steps (SpecDiff)",
     "conditioned": "target-conditioned block drafter reading the target's hidden states (DFlash-style)",
     "ar:PATH": "an autoregressive draft model (folder, .gguf or hub id) sharing the target's tokenizer",
-    "PATH": "a drafter folder (config.json + model.safetensors) written by diffspec, or a DFlash checkpoint",
+    "PATH": "a drafter folder (config.json + model.safetensors) written by diffspec, or a DFlash checkpoint "
+            "(folder or hub id owner/name)",
     "fast-dllm-v2:PATH": "a Fast-dLLM v2 checkpoint (Qwen2 body, block 32, sub-block 8, shifted, mask 151665)",
     "dream:PATH": "a Dream checkpoint (Qwen2 body, bidirectional, shifted, mask 151666)",
 }
@@ -82,8 +84,12 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
         return load_drafter(rest, dtype, device, preset=prefix)
     if Path(spec).expanduser().is_dir():
         return load_drafter(spec, dtype, device)
+    from ..dflash_format import hub_folder, looks_like_hub_id
+
+    if looks_like_hub_id(spec):  # e.g. a published DFlash drafter, z-lab/Qwen3-8B-DFlash-b16
+        return load_drafter(hub_folder(spec), dtype, device)
     raise DiffspecError(f"unknown drafter '{spec}' (choose from: {', '.join(DRAFTER_NAMES)}; a PATH must be an "
-                        f"existing folder)")
+                        f"existing folder, a hub id owner/name a drafter repository)")
 
 
 __all__ = ["Drafter", "DrafterCapabilities", "DraftBuilder", "PromptLookupDrafter", "AutoregressiveDrafter",

@@ -12,7 +12,9 @@ those context positions; they are verified tokens, so this cache never needs rol
 
 Parameter names and config fields follow the DFlash checkpoint layout (layers.N.self_attn.q_proj,
 q_norm/k_norm, mlp.gate_proj, fc, hidden_norm, norm; Qwen3 config fields plus block_size,
-mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DFlash checkpoint.
+mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DFlash checkpoint -
+unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no place for
+(dflash_format.py). `block_logits` is the one pass, compared with the reference's in the tests.
 """
 
 from __future__ import annotations
@@ -223,9 +225,15 @@ class ConditionedDrafter(Drafter):
         if cfg.hidden_size != target.hidden_size:
             raise DiffspecError(f"conditioned drafter '{self.name}' has width {cfg.hidden_size}, the target's hidden "
                                 f"size is {target.hidden_size}: it was built for another target")
-        if max(cfg.target_layer_ids) >= target.num_layers:
-            raise DiffspecError(f"conditioned drafter reads target layers {list(cfg.target_layer_ids)}, the target "
-                                f"has {target.num_layers}")
+        if max(cfg.target_layer_ids) >= target.num_layers or cfg.num_target_layers != target.num_layers:
+            raise DiffspecError(f"conditioned drafter '{self.name}' was built for a target of {cfg.num_target_layers} "
+                                f"layers (it reads layers {list(cfg.target_layer_ids)}); the target has "
+                                f"{target.num_layers}: it was built for another target")
+        rows = int(target.model.get_input_embeddings().weight.shape[0])
+        declared = getattr(target.model.config.get_text_config(decoder=True), "vocab_size", rows)
+        if cfg.vocab_size not in (rows, declared) or not 0 <= cfg.mask_token_id < rows:
+            raise DiffspecError(f"conditioned drafter '{self.name}' was built for a vocabulary of {cfg.vocab_size} "
+                                f"rows (mask token {cfg.mask_token_id}); the target's embeddings have {rows} rows")
         self._embed = target.model.get_input_embeddings()
         self._head_weight = self.model.head_weight(target.model.get_output_embeddings().weight.detach())
         self.vocab_size = target.vocab_size
@@ -248,8 +256,10 @@ class ConditionedDrafter(Drafter):
         self._context_len += hidden.shape[0]
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
-                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+    def block_logits(self, context: torch.Tensor) -> torch.Tensor:
+        """The one drafter pass: block [context[-1], mask, ..., mask] at positions n-1.. -> logits
+        [block_size - 1, draft vocabulary or head rows] for the tokens after context. Needs the
+        target's features for every position but the last (observe)."""
         cfg = self.cfg
         anchor = context.shape[0] - 1  # the last token; the target has not processed it yet
         if self._context_len != anchor:
@@ -260,7 +270,13 @@ class ConditionedDrafter(Drafter):
         block[0] = context[-1]
         positions = torch.arange(anchor, anchor + cfg.block_size, device=context.device)
         hidden = self.model(self._embed(block).to(dtype), positions, self._kv)
-        logits = hidden[1:].to(self._head_weight.dtype) @ self._head_weight.T  # [B-1, draft vocab or V]
+        return hidden[1:].to(self._head_weight.dtype) @ self._head_weight.T
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
+                sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
+        cfg = self.cfg
+        logits = self.block_logits(context)  # [B-1, draft vocab or V]
         if not cfg.draft_vocab:
             logits = align_logits_to_vocab(logits, self.vocab_size)
         drawn = draw_tokens(logits, sampling, generator)
