@@ -88,6 +88,8 @@ def test_export_loads_in_the_reference_and_drafts_the_same_block(tmp_path, targe
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["diffspec"]["kind"] == "conditioned"
     assert cfg["dflash_config"]["mask_token"] == "<unk>"  # the mask id (3) as text, for SGLang
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == block_size  # read at either place by engines
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == drafter.cfg.rope_theta  # vLLM defaults to 1e6
     ref = reference_model(path)
     assert (ref.block_size, ref.mask_token_id, list(ref.target_layer_ids)) == \
         (block_size, 3, list(drafter.cfg.target_layer_ids))

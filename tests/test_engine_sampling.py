@@ -91,12 +91,16 @@ def diffusion_drafter(kind, target):
         return MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=V, steps=2))
     torch.manual_seed(8)
     cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, block_size=4, num_features=2)
-    return ConditionedDrafter(ConditionedDraftModel(cfg).to(torch.float64))
+    drafter = ConditionedDrafter(ConditionedDraftModel(cfg).to(torch.float64))
+    if kind == "conditioned-bf16":  # q from bfloat16 logits: rejection sampling must still see the q it drew from
+        drafter.compute_dtype = "bfloat16"
+    return drafter
 
 
 @pytest.mark.parametrize("kind, setting", [("block", "temperature"), ("block", "top_k"),
                                            ("block-multistep", "temperature"), ("masked", "temperature"),
-                                           ("conditioned", "temperature"), ("conditioned", "top_p")])
+                                           ("conditioned", "temperature"), ("conditioned", "top_p"),
+                                           ("conditioned-bf16", "temperature")])
 def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting):
     model, _ = small_vocab_models
     target = Target(model)

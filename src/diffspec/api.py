@@ -40,14 +40,18 @@ _TARGETS: dict = {}
 
 def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
                 policy: "str | LengthPolicy" = DEFAULT_POLICY, dtype: str = "float32", device: str = "cpu",
-                max_context: Optional[int] = None, quiet: bool = False, **policy_options) -> SpeculativeEngine:
-    """Build an engine from names: model (None = the offline default), drafter, policy."""
+                max_context: Optional[int] = None, quiet: bool = False, drafter_dtype: str = "auto",
+                **policy_options) -> SpeculativeEngine:
+    """Build an engine from names: model (None = the offline default), drafter, policy.
+    `drafter_dtype`: what the conditioned drafter computes in ('auto' = measured, see conditioned.py)."""
     torch_dtype = parse_dtype(dtype)
+    if drafter_dtype != "auto":
+        parse_dtype(drafter_dtype)
     key = (model, dtype, device, max_context)
     if key not in _TARGETS:
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
     target = _TARGETS[key]
-    drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device)
+    drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype)
     if policy_options.get("gamma") is None and drafter_obj is not None:
         policy_options["gamma"] = drafter_obj.default_gamma
     pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **policy_options)

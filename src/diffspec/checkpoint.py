@@ -100,6 +100,7 @@ def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
         "dtype": str(dtype).replace("torch.", ""), "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,  # also top level: newer z-lab code and SGLang's fallback read it there
         "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                           "target_layer_ids": list(cfg.target_layer_ids)},
     }

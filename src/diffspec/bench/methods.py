@@ -297,7 +297,8 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
             d = PromptLookupDrafter(max_ngram=values.get("max_ngram", 3), min_ngram=values.get("min_ngram", 2))
         else:
             spec = spec if spec.startswith(prefix) else prefix + spec
-            d = make_drafter(spec, target, dtype=target.dtype, device=str(target.device))
+            d = make_drafter(spec, target, dtype=target.dtype, device=str(target.device),
+                             compute_dtype=values.get("drafter_dtype"))
         if values.get("steps") is not None:
             if not isinstance(d, MaskedDiffusionDrafter):
                 raise DiffspecError(f"steps applies to masked-diffusion drafters; {d.describe()} is not one")
@@ -330,6 +331,7 @@ def _drafter(default: Optional[str]) -> Param:
 
 
 _GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
+_DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load) or a dtype")
 
 METHODS: dict = {m.name: m for m in [
     MethodDef("hf-generate", "transformers model.generate on the target's HF model (what users run today)",
@@ -353,9 +355,9 @@ METHODS: dict = {m.name: m for m in [
     MethodDef("failfast", "block-diffusion drafter + FailFast policy",
               (_drafter("block-diffusion"),) + _FAILFAST, _engine_builder(None, "failfast")),
     MethodDef("conditioned", "target-conditioned drafter, fixed gamma (default: its block size - 1)",
-              (_drafter("conditioned"), _GAMMA), _engine_builder(None, "fixed")),
+              (_drafter("conditioned"), _GAMMA, _DRAFTER_DTYPE), _engine_builder(None, "fixed")),
     MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
-              (_drafter("conditioned"),) + _FAILFAST, _engine_builder(None, "failfast")),
+              (_drafter("conditioned"), _DRAFTER_DTYPE) + _FAILFAST, _engine_builder(None, "failfast")),
     MethodDef("dflash-ref", "z-lab's reference dflash_generate with the same conditioned drafter's weights "
                             "(optional: pip install --no-deps dflash==0.1.0)",
               (_drafter("conditioned"), Param("block_size", int, None, "the reference's block (default: the drafter's)")),

@@ -60,8 +60,23 @@ def default_drafter_name(target_name: Optional[str]) -> str:
 
 
 def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu") -> Optional[Drafter]:
-    """A drafter from its name; None for 'none'. Diffusion names need the target (shapes, shipped weights)."""
+                 device: str = "cpu", compute_dtype: Optional[str] = None) -> Optional[Drafter]:
+    """A drafter from its name; None for 'none'. Diffusion names need the target (shapes, shipped weights).
+
+    Weights load in `dtype`. `compute_dtype` ('auto' or a dtype name; None = `dtype`) is what a
+    drafter with `capabilities.chooses_dtype` computes in, settled when the engine attaches it;
+    naming a dtype for a drafter without that capability is refused."""
+    drafter = _make(spec, target, dtype, device)
+    if compute_dtype is not None and drafter is not None:
+        if drafter.capabilities.chooses_dtype:
+            drafter.compute_dtype = compute_dtype
+        elif compute_dtype != "auto":
+            raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned drafter; "
+                                f"'{drafter.name}' computes in the target's dtype")
+    return drafter
+
+
+def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optional[Drafter]:
     from ..checkpoint import PRESETS, load_drafter, random_drafter, shipped_drafter_path
 
     if spec is None or spec == "none":

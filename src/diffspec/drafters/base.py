@@ -33,6 +33,7 @@ class DrafterCapabilities:
     gives_probabilities: bool = False        # Draft.probs is q when sampling (else one-hot q)
     needs_target_hidden_states: bool = False  # wants observe() with target hidden states
     keeps_own_cache: bool = False             # holds a KV cache across rounds
+    chooses_dtype: bool = False               # computes in `compute_dtype` ('auto': measured at attach)
 
 
 class Drafter(ABC):
@@ -41,6 +42,7 @@ class Drafter(ABC):
     target_layer_ids: tuple = ()           # target layers whose hidden states observe() receives
     tokenizer_fingerprint: Optional[str] = None  # None: works on ids of any tokenizer
     default_gamma: int = 8                 # the fixed policy's draft length when the user names none
+    compute_dtype: str = "auto"            # drafters with capabilities.chooses_dtype: 'auto' or a dtype name
 
     def attach(self, target) -> None:
         """Called once by the engine: check the target is compatible, keep what is needed of it.

@@ -20,6 +20,8 @@ unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -205,7 +207,7 @@ class ConditionedDraftModel(nn.Module):
 class ConditionedDrafter(Drafter):
     name = "conditioned"
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=True,
-                                       keeps_own_cache=True)
+                                       keeps_own_cache=True, chooses_dtype=True)
 
     def __init__(self, model: ConditionedDraftModel, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "conditioned"):
@@ -217,6 +219,8 @@ class ConditionedDrafter(Drafter):
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
         self._embed = self._head_weight = None
         self.vocab_size: Optional[int] = None
+        self.compute_dtype: Optional[str] = None  # None: as loaded; 'auto': measured at attach; or a dtype name
+        self.dtype_note = ""                      # what attach chose and why (in describe())
         self.begin(None)
 
     def attach(self, target) -> None:
@@ -237,6 +241,58 @@ class ConditionedDrafter(Drafter):
         self._embed = target.model.get_input_embeddings()
         self._head_weight = self.model.head_weight(target.model.get_output_embeddings().weight.detach())
         self.vocab_size = target.vocab_size
+        self._settle_dtype()
+
+    def _settle_dtype(self) -> None:
+        """Compute in `compute_dtype`. 'auto' times one drafting step (body + LM head over the
+        drafted positions) in the loaded dtype and in the other of float32 / bfloat16, and keeps
+        the other only if it is at least 1.2x faster: bfloat16 wins where the CPU has bf16 matrix
+        instructions (the shared LM head dominates the step) and loses where it has none; we
+        measure instead of reading CPU flags. The drafts may change with the dtype; the output
+        cannot (the target verifies every token)."""
+        from ..api import parse_dtype
+
+        loaded = next(self.model.parameters()).dtype
+        request, self.dtype_note = self.compute_dtype, ""
+        if request is None:
+            return
+        if request != "auto":
+            self._use_dtype(parse_dtype(request))
+            return
+        other = torch.bfloat16 if loaded == torch.float32 else torch.float32
+        if loaded == torch.float64:  # float64 is asked for exactness: keep it
+            return
+        base_ms = self._time_step()
+        self._use_dtype(other)
+        other_ms = self._time_step()
+        name = str(other).replace("torch.", "")
+        if other_ms * 1.2 <= base_ms:
+            self.dtype_note = f"{name}: {other_ms:.1f} ms a draft vs {base_ms:.1f}"
+        else:
+            self._use_dtype(loaded)
+            self.dtype_note = f"{str(loaded).replace('torch.', '')}: {base_ms:.1f} ms a draft vs {other_ms:.1f} in {name}"
+
+    def _use_dtype(self, dtype: torch.dtype) -> None:
+        self.model.to(dtype)
+        self._head_weight = self._head_weight.to(dtype)  # a copy when it changes: the target keeps its own
+        self.begin(None)
+
+    def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
+        """Median milliseconds of one draft (block_logits) after a context of `context_len` positions."""
+        device = self._head_weight.device
+        feats = torch.zeros(context_len - 1, self.model.fc.in_features, device=device)
+        ctx = torch.full((context_len,), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        self.begin(None)
+        self.observe(feats, 0)
+        times = []
+        for _ in range(repeats + 2):
+            _sync(device)
+            t0 = time.perf_counter()
+            self.block_logits(ctx)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        self.begin(None)
+        return 1000 * statistics.median(times[2:])
 
     def begin(self, prompt_ids) -> None:
         device = next(self.model.parameters()).device
@@ -291,5 +347,11 @@ class ConditionedDrafter(Drafter):
         return builder.build(1, context.device)
 
     def describe(self) -> str:
+        dtype = self.dtype_note or str(next(self.model.parameters()).dtype).replace("torch.", "")
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
-               f"target layers {list(self.cfg.target_layer_ids)})"
+               f"target layers {list(self.cfg.target_layer_ids)}, {dtype})"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
