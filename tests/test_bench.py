@@ -243,6 +243,7 @@ def test_cli_list_methods(capsys):
     (["--methods", "failfast:gamma=4"], "method 'failfast' has no parameter 'gamma'"),
     (["--methods", "conditioned:gamma=many"], "parameter gamma must be an integer"),
     (["--methods", "ar"], "needs drafter="),
+    (["--methods", "conditioned:drafter_dtype=fp8"], "unknown drafter dtype 'fp8'"),
     (["--sweep", "tau"], "--sweep takes PARAM=V1,V2"),
     (["--dataset", "EMPTY"], "has no prompts"),
     (["--dataset", "nowhere.jsonl"], "prompt file not found"),

@@ -200,53 +200,56 @@ def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
 
 
 # --- what the conditioned drafter computes in (compute_dtype) ------------------------------------
+# The target stays float64 (exact verify/decode agreement); only the drafter is float32 or bf16.
 
-def float32_setup(tokenizer):
-    from diffspec import Target
-
-    target = Target(make_model(len(tokenizer), seed=0, dtype=torch.float32), tokenizer, name="tiny32")
+def float32_drafter(target):
     drafter = conditioned_for(target)
     drafter.model.to(torch.float32)
-    return target, drafter
+    return drafter
 
 
 @pytest.mark.parametrize("policy", ["fixed4", "failfast-extend"])
-def test_bfloat16_drafter_on_float32_target_stays_lossless(tokenizer, policy):
-    target, drafter = float32_setup(tokenizer)
-    head_before = target.model.lm_head.weight.detach().clone()
+def test_bfloat16_drafter_stays_lossless_and_leaves_the_target_alone(target, tiny_model, policy):
+    head_before = tiny_model.lm_head.weight.detach().clone()
+    drafter = float32_drafter(target)
     drafter.compute_dtype = "bfloat16"
     engine = SpeculativeEngine(target, drafter, POLICIES[policy]())
     assert next(drafter.model.parameters()).dtype == torch.bfloat16 and drafter._head_weight.dtype == torch.bfloat16
-    assert target.model.lm_head.weight.dtype == torch.float32  # the target keeps its own head, unchanged
-    assert torch.equal(target.model.lm_head.weight, head_before)
+    assert tiny_model.lm_head.weight.dtype == torch.float64 and torch.equal(tiny_model.lm_head.weight, head_before)
+    drafted = 0
     for prompt in PROMPTS:
         r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
-        assert r.token_ids == reference_greedy(target.model, prompt, 30, stop_ids=())
-        assert r.drafted_tokens > 0
-    assert "bfloat16" in drafter.describe()
+        assert r.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
+        drafted += r.drafted_tokens
+    assert drafted > 0 and "bfloat16" in drafter.describe()
 
 
 @pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
-def test_auto_dtype_follows_the_measurement(tokenizer, monkeypatch, timings, chosen):
-    target, drafter = float32_setup(tokenizer)
-    measured = iter(timings)  # the loaded dtype is timed first, then the other
+def test_auto_dtype_follows_the_measurement(target, tiny_model, monkeypatch, timings, chosen):
+    drafter = float32_drafter(target)
+    weights_before = {k: v.clone() for k, v in drafter.model.state_dict().items()}
+    measured = iter(timings)  # float32 is timed first, then bfloat16
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
     drafter.compute_dtype = "auto"
     engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
-    assert next(drafter.model.parameters()).dtype == chosen and drafter._head_weight.dtype == chosen
+    assert next(drafter.model.parameters()).dtype == chosen
+    assert drafter._head_weight.dtype == (torch.bfloat16 if chosen == torch.bfloat16 else torch.float64)
     assert f"{timings[0]:.1f}" in drafter.describe() and f"{timings[1]:.1f}" in drafter.describe()
+    if chosen == torch.float32:  # the bf16 trial ran on a copy: weights bit for bit, the head still the target's
+        assert all(torch.equal(v, weights_before[k]) for k, v in drafter.model.state_dict().items())
+        assert drafter._head_weight.data_ptr() == drafter._target_head.data_ptr()
     r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])
-    assert r.token_ids == reference_greedy(target.model, PROMPTS[1], 20, stop_ids=())
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
-def test_auto_dtype_really_times_a_draft_and_leaves_no_state(tokenizer):
-    target, drafter = float32_setup(tokenizer)
+def test_auto_dtype_really_times_a_draft_and_leaves_no_state(target, tiny_model):
+    drafter = float32_drafter(target)
     drafter.compute_dtype = "auto"
     engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
     assert "ms a draft" in drafter.describe()
     assert drafter._context_len == 0  # the timing context is gone before the first request
     r = engine.generate(PROMPTS[0], max_new_tokens=20, stop_token_ids=[])
-    assert r.token_ids == reference_greedy(target.model, PROMPTS[0], 20, stop_ids=())
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[0], 20, stop_ids=())
 
 
 def test_auto_dtype_keeps_float64(target):
@@ -257,13 +260,15 @@ def test_auto_dtype_keeps_float64(target):
 
 
 def test_drafter_dtype_errors(target):
-    from diffspec import DiffspecError
+    from diffspec import DiffspecError, load_engine
     from diffspec.drafters import make_drafter
 
     with pytest.raises(DiffspecError, match="applies to the conditioned drafter"):
         make_drafter("prompt-lookup", target, compute_dtype="bfloat16")
+    with pytest.raises(DiffspecError, match="applies to the conditioned drafter"):
+        make_drafter("none", target, compute_dtype="bfloat16")
     assert make_drafter("prompt-lookup", target, compute_dtype="auto") is not None
-    drafter = conditioned_for(target)
-    drafter.compute_dtype = "fp8"
-    with pytest.raises(DiffspecError, match="unknown dtype 'fp8'"):
-        SpeculativeEngine(target, drafter, FixedPolicy(4))
+    with pytest.raises(DiffspecError, match="unknown drafter dtype 'fp8'.*auto"):
+        make_drafter("conditioned", target, compute_dtype="fp8")
+    with pytest.raises(DiffspecError, match="unknown drafter dtype 'fp8'"):  # before any model loads
+        load_engine("/nonexistent/model", drafter_dtype="fp8")

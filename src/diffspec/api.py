@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .drafters import make_drafter
+from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
 from .errors import DiffspecError
 from .policies import LengthPolicy, make_policy
@@ -45,8 +45,7 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned drafter computes in ('auto' = measured, see conditioned.py)."""
     torch_dtype = parse_dtype(dtype)
-    if drafter_dtype != "auto":
-        parse_dtype(drafter_dtype)
+    check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
     key = (model, dtype, device, max_context)
     if key not in _TARGETS:
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)

@@ -254,6 +254,7 @@ class Param:
     type: type          # int, float or str
     default: object     # None = the drafter's own / required (see MethodDef.required)
     help: str = ""
+    check: Optional[Callable] = None  # value -> None, raising DiffspecError for a bad value (at parse time)
 
 
 @dataclass(frozen=True)
@@ -286,14 +287,17 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
     `prefix` is put before a drafter value that lacks it (ar: drafter=PATH means 'ar:PATH')."""
 
     def build(target, values: dict) -> Runner:
-        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, make_drafter
+        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, check_drafter_dtype, make_drafter
         from ..engine import SpeculativeEngine
         from ..policies import make_policy
 
         spec = values.get("drafter", drafter)
+        check_drafter_dtype(values.get("drafter_dtype"))
         if spec is None:
             return EngineRunner(SpeculativeEngine(target, None, make_policy("fixed", gamma=1)))
         if spec == "prompt-lookup":
+            if values.get("drafter_dtype") not in (None, "auto"):
+                raise DiffspecError("drafter_dtype applies to the conditioned drafter; prompt-lookup has no weights")
             d = PromptLookupDrafter(max_ngram=values.get("max_ngram", 3), min_ngram=values.get("min_ngram", 2))
         else:
             spec = spec if spec.startswith(prefix) else prefix + spec
@@ -331,7 +335,14 @@ def _drafter(default: Optional[str]) -> Param:
 
 
 _GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
-_DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load) or a dtype")
+def _check_drafter_dtype(value: str) -> None:
+    from ..drafters import check_drafter_dtype
+
+    check_drafter_dtype(value)
+
+
+_DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load) or a dtype",
+                       check=_check_drafter_dtype)
 
 METHODS: dict = {m.name: m for m in [
     MethodDef("hf-generate", "transformers model.generate on the target's HF model (what users run today)",
@@ -386,10 +397,13 @@ class MethodSpec:
 def _convert(definition: MethodDef, key: str, text: str):
     p = definition.param(key)
     try:
-        return p.type(text)
+        value = p.type(text)
     except ValueError:
         kind = {int: "an integer", float: "a number"}.get(p.type, "a string")
         raise DiffspecError(f"method '{definition.name}': parameter {key} must be {kind}, got '{text}'") from None
+    if p.check is not None:
+        p.check(value)
+    return value
 
 
 def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:

@@ -66,14 +66,26 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
     Weights load in `dtype`. `compute_dtype` ('auto' or a dtype name; None = `dtype`) is what a
     drafter with `capabilities.chooses_dtype` computes in, settled when the engine attaches it;
     naming a dtype for a drafter without that capability is refused."""
+    check_drafter_dtype(compute_dtype)
     drafter = _make(spec, target, dtype, device)
-    if compute_dtype is not None and drafter is not None:
-        if drafter.capabilities.chooses_dtype:
+    if compute_dtype is None or compute_dtype == "auto":
+        if drafter is not None and drafter.capabilities.chooses_dtype:
             drafter.compute_dtype = compute_dtype
-        elif compute_dtype != "auto":
-            raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned drafter; "
-                                f"'{drafter.name}' computes in the target's dtype")
+        return drafter
+    if drafter is None or not drafter.capabilities.chooses_dtype:
+        raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned drafter; "
+                            f"'{spec}' computes in the target's dtype")
+    drafter.compute_dtype = compute_dtype
     return drafter
+
+
+def check_drafter_dtype(compute_dtype: Optional[str]) -> None:
+    """None, 'auto' or a dtype name; anything else is refused by name before a model loads."""
+    from ..api import _DTYPES
+
+    if compute_dtype is not None and compute_dtype != "auto" and compute_dtype not in _DTYPES:
+        raise DiffspecError(f"unknown drafter dtype '{compute_dtype}' (--drafter-dtype / drafter_dtype; choose from: "
+                            f"auto, {', '.join(_DTYPES)})")
 
 
 def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optional[Drafter]:

@@ -19,6 +19,7 @@ unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no 
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -217,7 +218,7 @@ class ConditionedDrafter(Drafter):
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.target_layer_ids = tuple(model.cfg.target_layer_ids)
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
-        self._embed = self._head_weight = None
+        self._embed = self._head_weight = self._target_head = None
         self.vocab_size: Optional[int] = None
         self.compute_dtype: Optional[str] = None  # None: as loaded; 'auto': measured at attach; or a dtype name
         self.dtype_note = ""                      # what attach chose and why (in describe())
@@ -239,42 +240,43 @@ class ConditionedDrafter(Drafter):
             raise DiffspecError(f"conditioned drafter '{self.name}' was built for a vocabulary of {cfg.vocab_size} "
                                 f"rows (mask token {cfg.mask_token_id}); the target's embeddings have {rows} rows")
         self._embed = target.model.get_input_embeddings()
-        self._head_weight = self.model.head_weight(target.model.get_output_embeddings().weight.detach())
+        self._target_head = target.model.get_output_embeddings().weight.detach()  # shared, never modified
+        self._head_weight = self.model.head_weight(self._target_head)
         self.vocab_size = target.vocab_size
         self._settle_dtype()
 
     def _settle_dtype(self) -> None:
-        """Compute in `compute_dtype`. 'auto' times one drafting step (body + LM head over the
-        drafted positions) in the loaded dtype and in the other of float32 / bfloat16, and keeps
-        the other only if it is at least 1.2x faster: bfloat16 wins where the CPU has bf16 matrix
-        instructions (the shared LM head dominates the step) and loses where it has none; we
-        measure instead of reading CPU flags. The drafts may change with the dtype; the output
-        cannot (the target verifies every token)."""
+        """Compute in `compute_dtype` (None: as loaded). 'auto', for a drafter loaded in float32,
+        times one drafting step (body + LM head over the drafted positions) in float32 and in
+        bfloat16 on a copy, and switches only if bfloat16 is at least 1.2x faster: it wins where
+        the CPU has bf16 matrix instructions (the shared LM head dominates the step) and loses
+        where it has none; we measure instead of reading CPU flags. Other loaded dtypes are kept
+        (float64 is asked for exactness; a half-precision drafter is already the cheap one). The
+        drafts may change with the dtype; the output cannot (the target verifies every token)."""
         from ..api import parse_dtype
 
-        loaded = next(self.model.parameters()).dtype
         request, self.dtype_note = self.compute_dtype, ""
-        if request is None:
+        loaded = next(self.model.parameters()).dtype
+        if request is None or (request == "auto" and loaded != torch.float32):
             return
         if request != "auto":
             self._use_dtype(parse_dtype(request))
             return
-        other = torch.bfloat16 if loaded == torch.float32 else torch.float32
-        if loaded == torch.float64:  # float64 is asked for exactness: keep it
-            return
-        base_ms = self._time_step()
-        self._use_dtype(other)
-        other_ms = self._time_step()
-        name = str(other).replace("torch.", "")
-        if other_ms * 1.2 <= base_ms:
-            self.dtype_note = f"{name}: {other_ms:.1f} ms a draft vs {base_ms:.1f}"
+        fp32_ms = self._time_step()
+        original = self.model
+        self.model = copy.deepcopy(original).to(torch.bfloat16)  # the float32 weights stay untouched
+        self._head_weight = self.model.head_weight(self._target_head).to(torch.bfloat16)
+        bf16_ms = self._time_step()
+        if bf16_ms * 1.2 <= fp32_ms:
+            self.dtype_note = f"bfloat16: {bf16_ms:.1f} ms a draft vs {fp32_ms:.1f} in float32"
         else:
-            self._use_dtype(loaded)
-            self.dtype_note = f"{str(loaded).replace('torch.', '')}: {base_ms:.1f} ms a draft vs {other_ms:.1f} in {name}"
+            self.model, self._head_weight = original, original.head_weight(self._target_head)
+            self.dtype_note = f"float32: {fp32_ms:.1f} ms a draft vs {bf16_ms:.1f} in bfloat16"
+        self.begin(None)
 
     def _use_dtype(self, dtype: torch.dtype) -> None:
         self.model.to(dtype)
-        self._head_weight = self._head_weight.to(dtype)  # a copy when it changes: the target keeps its own
+        self._head_weight = self.model.head_weight(self._target_head).to(dtype)  # shares the target's when equal
         self.begin(None)
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
@@ -353,5 +355,8 @@ class ConditionedDrafter(Drafter):
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for queued device work, so a wall-clock reading covers it (no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
