@@ -4,6 +4,10 @@ reference package with that export, and diffspec with the shipped folder (reduce
 vocabulary of 8,192 tokens, the same trained weights). This isolates what the drafter dtype and
 the vocabulary change in a round; the bench rows give the rest.
 
+Rows: the drafter body in float32 / bfloat16 with the target's float32 LM head (what loading in a
+dtype gives, and what the reference does), and diffspec with `--drafter-dtype` set to that dtype,
+which also computes the LM head in it (a copy; the target keeps its own).
+
 One step = the drafter's keys/values for 2 newly accepted positions, its pass over
 [anchor, mask x 7], and the draft logits (diffspec also takes the softmax its policies read).
 
@@ -87,8 +91,11 @@ def main() -> None:
         feats = Target(target.model).forward(torch.tensor(ids), hidden_layers=full.target_layer_ids).hidden_states
         ref = model_class.from_pretrained(args.exported, dtype=dtype).eval()
         reduced = load_drafter(shipped_drafter_path(target.name, "conditioned"), dtype=dtype)
+        head_too = load_drafter(args.exported, dtype=torch.float32)
+        head_too.compute_dtype = str(dtype).replace("torch.", "")  # --drafter-dtype: body and a head copy
         row = {"dtype": str(dtype).replace("torch.", ""), "context_tokens": len(ids),
                "diffspec_full_vocab_ms": median_ms(diffspec_step(full, target, ids, feats), args.reps),
+               "diffspec_full_vocab_head_in_dtype_ms": median_ms(diffspec_step(head_too, target, ids, feats), args.reps),
                "reference_full_vocab_ms": median_ms(reference_step(ref, target, ids, feats, dtype), args.reps),
                "diffspec_reduced_vocab_8192_ms": median_ms(diffspec_step(reduced, target, ids, feats), args.reps)}
         print(json.dumps(row), flush=True)
