@@ -36,6 +36,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 _TARGETS: dict = {}
+_ENGINES: dict = {}
 
 
 def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
@@ -46,15 +47,25 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     `drafter_dtype`: what the conditioned drafter computes in ('auto' = measured, see conditioned.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
+    engine_key = None
+    if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
+        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype,
+                      tuple(sorted(policy_options.items())))
+        if engine_key in _ENGINES:
+            return _ENGINES[engine_key]
     key = (model, dtype, device, max_context)
     if key not in _TARGETS:
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
     target = _TARGETS[key]
     drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype)
-    if policy_options.get("gamma") is None and drafter_obj is not None:
-        policy_options["gamma"] = drafter_obj.default_gamma
-    pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **policy_options)
-    return SpeculativeEngine(target, drafter_obj, pol)
+    options = dict(policy_options)
+    if options.get("gamma") is None and drafter_obj is not None:
+        options["gamma"] = drafter_obj.default_gamma
+    pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **options)
+    engine = SpeculativeEngine(target, drafter_obj, pol)
+    if engine_key is not None:
+        _ENGINES[engine_key] = engine
+    return engine
 
 
 def generate(prompt: Prompt, model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
