@@ -12,28 +12,15 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
-
+from .devices import parse_dtype
 from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
-from .errors import DiffspecError
 from .policies import LengthPolicy, make_policy
 from .target import Target
 from .types import GenerationResult, SamplingParams
 
 DEFAULT_DRAFTER = "auto"  # the shipped trained drafter for the target if any, else prompt-lookup
 DEFAULT_POLICY = "failfast"
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise DiffspecError(f"unknown dtype '{name}' (choose from: {', '.join(_DTYPES)})") from None
-
 
 _TARGETS: dict = {}
 _ENGINES: dict = {}

@@ -234,7 +234,7 @@ def _bench(args) -> int:
 
     import torch
 
-    from .api import parse_dtype
+    from .devices import parse_dtype
     from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
     from .target import Target
 
@@ -268,7 +268,7 @@ def _bench(args) -> int:
 def _export(args) -> int:
     import torch
 
-    from .api import parse_dtype
+    from .devices import parse_dtype
     from .checkpoint import _read_config, shipped_drafter_path
     from .dflash_format import export_dflash, hub_folder, looks_like_hub_id
     from .drafters import TRAINABLE_KINDS, make_drafter

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..devices import synchronize
 from ..errors import DiffspecError
 from ..types import SamplingParams
 
@@ -60,10 +61,7 @@ class Runner:
         raise NotImplementedError
 
 
-def sync(device) -> None:
-    """Wait for queued GPU work, so a wall-clock reading covers it (no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+sync = synchronize  # wall-clock readings cover queued device work
 
 
 class EngineRunner(Runner):
@@ -287,18 +285,17 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
     `prefix` is put before a drafter value that lacks it (ar: drafter=PATH means 'ar:PATH')."""
 
     def build(target, values: dict) -> Runner:
-        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, check_drafter_dtype, make_drafter
+        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, make_drafter, set_compute_dtype
         from ..engine import SpeculativeEngine
         from ..policies import make_policy
 
         spec = values.get("drafter", drafter)
-        check_drafter_dtype(values.get("drafter_dtype"))
         if spec is None:
             return EngineRunner(SpeculativeEngine(target, None, make_policy("fixed", gamma=1)))
         if spec == "prompt-lookup":
-            if values.get("drafter_dtype") not in (None, "auto"):
-                raise DiffspecError("drafter_dtype applies to the conditioned drafter; prompt-lookup has no weights")
-            d = PromptLookupDrafter(max_ngram=values.get("max_ngram", 3), min_ngram=values.get("min_ngram", 2))
+            d = set_compute_dtype(PromptLookupDrafter(max_ngram=values.get("max_ngram", 3),
+                                                      min_ngram=values.get("min_ngram", 2)),
+                                  values.get("drafter_dtype"), spec)
         else:
             spec = spec if spec.startswith(prefix) else prefix + spec
             d = make_drafter(spec, target, dtype=target.dtype, device=str(target.device),
@@ -335,6 +332,8 @@ def _drafter(default: Optional[str]) -> Param:
 
 
 _GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
+
+
 def _check_drafter_dtype(value: str) -> None:
     from ..drafters import check_drafter_dtype
 

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..devices import DTYPES
 from ..errors import DiffspecError
 from .autoregressive import AutoregressiveDrafter
 from .base import Drafter, DrafterCapabilities, DraftBuilder
@@ -67,25 +68,27 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
     drafter with `capabilities.chooses_dtype` computes in, settled when the engine attaches it;
     naming a dtype for a drafter without that capability is refused."""
     check_drafter_dtype(compute_dtype)
-    drafter = _make(spec, target, dtype, device)
-    if compute_dtype is None or compute_dtype == "auto":
-        if drafter is not None and drafter.capabilities.chooses_dtype:
-            drafter.compute_dtype = compute_dtype
-        return drafter
-    if drafter is None or not drafter.capabilities.chooses_dtype:
+    return set_compute_dtype(_make(spec, target, dtype, device), compute_dtype, spec)
+
+
+def set_compute_dtype(drafter: Optional[Drafter], compute_dtype: Optional[str], spec: Optional[str]) -> Optional[Drafter]:
+    """Hand `compute_dtype` to a drafter that chooses its dtype; naming a dtype for any other
+    drafter (or for none) is refused. None and 'auto' pass silently where they do not apply."""
+    check_drafter_dtype(compute_dtype)
+    chooses = drafter is not None and drafter.capabilities.chooses_dtype
+    if compute_dtype not in (None, "auto") and not chooses:
         raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned drafter; "
                             f"'{spec}' computes in the target's dtype")
-    drafter.compute_dtype = compute_dtype
+    if chooses:
+        drafter.compute_dtype = compute_dtype
     return drafter
 
 
 def check_drafter_dtype(compute_dtype: Optional[str]) -> None:
     """None, 'auto' or a dtype name; anything else is refused by name before a model loads."""
-    from ..api import _DTYPES
-
-    if compute_dtype is not None and compute_dtype != "auto" and compute_dtype not in _DTYPES:
+    if compute_dtype is not None and compute_dtype != "auto" and compute_dtype not in DTYPES:
         raise DiffspecError(f"unknown drafter dtype '{compute_dtype}' (--drafter-dtype / drafter_dtype; choose from: "
-                            f"auto, {', '.join(_DTYPES)})")
+                            f"auto, {', '.join(DTYPES)})")
 
 
 def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optional[Drafter]:
@@ -122,4 +125,4 @@ def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optio
 __all__ = ["Drafter", "DrafterCapabilities", "DraftBuilder", "PromptLookupDrafter", "AutoregressiveDrafter",
            "BlockDiffusionDrafter", "BlockDiffusionConfig", "MaskedDiffusionDrafter", "MaskedDiffusionConfig",
            "ConditionedDrafter", "ConditionedDraftModel", "ConditionedConfig", "make_drafter", "DRAFTER_NAMES",
-           "TRAINABLE_KINDS", "weights_for"]
+           "TRAINABLE_KINDS", "weights_for", "set_compute_dtype", "check_drafter_dtype"]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import parse_dtype, synchronize
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
@@ -253,8 +254,6 @@ class ConditionedDrafter(Drafter):
         where it has none; we measure instead of reading CPU flags. Other loaded dtypes are kept
         (float64 is asked for exactness; a half-precision drafter is already the cheap one). The
         drafts may change with the dtype; the output cannot (the target verifies every token)."""
-        from ..api import parse_dtype
-
         request, self.dtype_note = self.compute_dtype, ""
         loaded = next(self.model.parameters()).dtype
         if request is None or (request == "auto" and loaded != torch.float32):
@@ -264,15 +263,15 @@ class ConditionedDrafter(Drafter):
             return
         fp32_ms = self._time_step()
         original = self.model
-        self.model = copy.deepcopy(original).to(torch.bfloat16)  # the float32 weights stay untouched
-        self._head_weight = self.model.head_weight(self._target_head).to(torch.bfloat16)
+        self.model = copy.deepcopy(original)  # the trial converts a copy: the float32 weights stay untouched
+        self._use_dtype(torch.bfloat16)
         bf16_ms = self._time_step()
         if bf16_ms * 1.2 <= fp32_ms:
             self.dtype_note = f"bfloat16: {bf16_ms:.1f} ms a draft vs {fp32_ms:.1f} in float32"
         else:
             self.model, self._head_weight = original, original.head_weight(self._target_head)
             self.dtype_note = f"float32: {fp32_ms:.1f} ms a draft vs {bf16_ms:.1f} in bfloat16"
-        self.begin(None)
+            self.begin(None)  # the cache is made in the model's dtype
 
     def _use_dtype(self, dtype: torch.dtype) -> None:
         self.model.to(dtype)
@@ -288,10 +287,10 @@ class ConditionedDrafter(Drafter):
         self.observe(feats, 0)
         times = []
         for _ in range(repeats + 2):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             self.block_logits(ctx)
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         self.begin(None)
         return 1000 * statistics.median(times[2:])
@@ -353,10 +352,3 @@ class ConditionedDrafter(Drafter):
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
                f"target layers {list(self.cfg.target_layer_ids)}, {dtype})"
 
-
-def _sync(device: torch.device) -> None:
-    """Wait for queued device work, so a wall-clock reading covers it (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()

@@ -112,7 +112,7 @@ def serve_command(args) -> int:
         raise DiffspecError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         drafter_dtype=getattr(args, "drafter_dtype", "auto"), gamma=args.gamma, tau=args.tau, n=args.n,
+                         drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n,
                          n_max=args.n_max)
     config = ServerConfig(model_name=args.served_model_name or engine.target.name, api_key=args.api_key,
                           max_queue=args.max_queue, host=args.host, port=args.port)
