@@ -93,14 +93,17 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol):
     assert config["training"]["steps"] > 0 and config["target"] == smol.name
     # `auto` takes the shipped drafter exactly when its folder says measurement made it the default
     assert default_drafter_name(smol.name) == ("conditioned" if config.get("default") else "prompt-lookup")
-    drafter = make_drafter("conditioned", smol)
-    assert isinstance(drafter, ConditionedDrafter) and str(path) in drafter.name
-    accepted = 0
-    for prompt in PROMPTS:
-        ids = smol.encode_prompt(prompt)
-        expected = hf_greedy(smol, ids, NEW)
-        for policy in (FixedPolicy(16), FailFastPolicy()):
-            r = SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=NEW)
-            assert r.token_ids == expected, (prompt, policy.describe())
-            accepted += r.accepted_tokens
-    assert accepted > 0  # a trained drafter gets some of its drafts accepted on real prompts
+    # as loaded (fp32), and in bf16 with a bf16 head copy (what --drafter-dtype auto picks on bf16 CPUs)
+    drafters = [make_drafter("conditioned", smol), make_drafter("conditioned", smol, compute_dtype="bfloat16")]
+    assert all(isinstance(d, ConditionedDrafter) and str(path) in d.name for d in drafters)
+    for drafter in drafters:
+        accepted = 0
+        for prompt in PROMPTS:
+            ids = smol.encode_prompt(prompt)
+            expected = hf_greedy(smol, ids, NEW)
+            for policy in (FixedPolicy(16), FailFastPolicy()):
+                r = SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=NEW)
+                assert r.token_ids == expected, (prompt, policy.describe(), drafter.describe())
+                accepted += r.accepted_tokens
+        assert accepted > 0  # a trained drafter gets some of its drafts accepted on real prompts
+    assert "bfloat16" in drafters[1].describe() and smol.model.lm_head.weight.dtype == torch.float32
