@@ -110,7 +110,8 @@ def test_method_specs_and_sweep():
     assert sum(n.startswith("failfast[") for n in names) == 4
     assert "conditioned:gamma=16" in names and "hf-generate" in names  # accept neither tau nor n_max
     variant = next(s for s in specs if s.name == "failfast[tau=0.6,n_max=30]")
-    assert variant.values(METHODS) == {"drafter": "block-diffusion", "tau": 0.6, "n": 10, "n_max": 30}
+    assert variant.values(METHODS) == {"drafter": "block-diffusion", "drafter_dtype": "auto", "tau": 0.6,
+                                        "n": 10, "n_max": 30}
     with pytest.raises(DiffspecError, match="no parameter 'gamma'"):
         expand_methods(["failfast:gamma=4"])
     with pytest.raises(DiffspecError, match="listed twice"):

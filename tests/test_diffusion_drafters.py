@@ -259,13 +259,59 @@ def test_auto_dtype_keeps_float64(target):
     assert next(drafter.model.parameters()).dtype == torch.float64 and drafter.dtype_note == ""
 
 
+def float32_block_drafter(tokenizer):
+    body = dllm(len(tokenizer)).to(torch.float32)
+    return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=len(tokenizer), block_size=8, sub_block_size=4))
+
+
+@pytest.mark.parametrize("policy", ["fixed13", "failfast-extend"])
+def test_bfloat16_block_drafter_stays_lossless(target, tiny_model, tokenizer, policy):
+    drafter = float32_block_drafter(tokenizer)
+    drafter.compute_dtype = "bfloat16"
+    engine = SpeculativeEngine(target, drafter, POLICIES[policy]())
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16
+    assert next(tiny_model.parameters()).dtype == torch.float64
+    drafted = 0
+    for prompt in PROMPTS:
+        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+        assert r.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
+        drafted += r.drafted_tokens
+    assert drafted > 0 and "bfloat16" in drafter.describe()
+
+
+@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
+def test_block_drafter_auto_dtype_follows_the_measurement(target, tiny_model, tokenizer, monkeypatch, timings, chosen):
+    drafter = float32_block_drafter(tokenizer)
+    weights_before = {k: v.clone() for k, v in drafter.model.state_dict().items()}
+    measured = iter(timings)  # float32 is timed first, then bfloat16
+    monkeypatch.setattr(BlockDiffusionDrafter, "_time_step", lambda self: next(measured))
+    drafter.compute_dtype = "auto"
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(5))
+    assert next(drafter.model.parameters()).dtype == chosen
+    assert f"{timings[0]:.1f}" in drafter.describe() and f"{timings[1]:.1f}" in drafter.describe()
+    if chosen == torch.float32:  # the bf16 trial ran on a copy: the weights bit for bit
+        assert all(torch.equal(v, weights_before[k]) for k, v in drafter.model.state_dict().items())
+    r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
+
+
+def test_block_drafter_auto_dtype_really_times_a_step_and_leaves_no_state(target, tiny_model, tokenizer):
+    drafter = float32_block_drafter(tokenizer)
+    drafter.compute_dtype = "auto"
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(5))
+    assert "ms a draft step" in drafter.describe()
+    assert drafter._cached_ids == [] and drafter._cache.get_seq_length() == 0  # the timing context is gone
+    r = engine.generate(PROMPTS[0], max_new_tokens=20, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[0], 20, stop_ids=())
+
+
 def test_drafter_dtype_errors(target):
     from diffspec import DiffspecError, load_engine
     from diffspec.drafters import make_drafter
 
-    with pytest.raises(DiffspecError, match="applies to the conditioned drafter"):
+    with pytest.raises(DiffspecError, match="applies to the conditioned and block-diffusion drafters"):
         make_drafter("prompt-lookup", target, compute_dtype="bfloat16")
-    with pytest.raises(DiffspecError, match="applies to the conditioned drafter"):
+    with pytest.raises(DiffspecError, match="applies to the conditioned and block-diffusion drafters"):
         make_drafter("none", target, compute_dtype="bfloat16")
     assert make_drafter("prompt-lookup", target, compute_dtype="auto") is not None
     with pytest.raises(DiffspecError, match="unknown drafter dtype 'fp8'.*auto"):

@@ -82,8 +82,10 @@ def diffusion_drafter(kind, target):
                                    MaskedDiffusionDrafter)
 
     body = make_model(V + 1, seed=8, std=0.6)
-    if kind == "block":            # one step per sub-block: q is handed to rejection sampling
-        return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2))
+    if kind in ("block", "block-bf16"):  # one step per sub-block: q is handed to rejection sampling
+        drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2))
+        drafter.compute_dtype = "bfloat16" if kind == "block-bf16" else None
+        return drafter
     if kind == "block-multistep":  # out-of-order unmasking: verified with one-hot q
         return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=4,
                                                                 unmask_threshold=0.95))
@@ -100,7 +102,7 @@ def diffusion_drafter(kind, target):
 @pytest.mark.parametrize("kind, setting", [("block", "temperature"), ("block", "top_k"),
                                            ("block-multistep", "temperature"), ("masked", "temperature"),
                                            ("conditioned", "temperature"), ("conditioned", "top_p"),
-                                           ("conditioned-bf16", "temperature")])
+                                           ("conditioned-bf16", "temperature"), ("block-bf16", "temperature")])
 def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting):
     model, _ = small_vocab_models
     target = Target(model)

@@ -162,3 +162,31 @@ def test_repeated_target_answers_are_dropped_before_the_held_out_split():
     gen = [([1, 2, 9, 9], 2), ([3, 9, 9], 1), ([1, 2, 8], 2), ([4, 5, 9, 9], 2)]
     kept, dropped = drop_repeated_answers(gen)
     assert kept == [([1, 2, 9, 9], 2), ([1, 2, 8], 2)] and dropped == 2
+
+
+def test_block_loss_reports_slot1_accuracy_of_each_blocks_first_masked_position(tiny_model):
+    """The progress bar's 'slot-1 acc' for block kind, recomputed position by position: labels are
+    made to agree with the drafter's argmax in every other block, so the expected share is ~1/2."""
+    from diffspec.training.block import block_diffusion_loss, make_block_body, noisy_copy, two_copy_mask
+    from diffspec.training.features import SequenceFeatures
+
+    model, mask_id = make_block_body(tiny_model, 1)
+    T, B, start = 24, 4, 3
+    tokens = torch.randint(0, mask_id, (T,), generator=torch.Generator().manual_seed(0))
+    y, masked = noisy_copy(tokens, B, mask_id, random.Random(7))        # the masks the loss will draw
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.cat([tokens, y])[None], attention_mask=two_copy_mask(T, B),
+                             position_ids=torch.arange(T).repeat(2)[None]).last_hidden_state[0]
+    labels = torch.zeros(T, dtype=torch.long)
+    firsts = []
+    for b in range(0, T, B):
+        p = next((i for i in range(b, b + B) if masked[i] and i >= start), None)
+        if p is not None:
+            row = hidden[p - 1] if p % B == 0 else hidden[T + p - 1]
+            top = int(model.lm_head(row).argmax())
+            labels[p - 1] = top if len(firsts) % 2 == 0 else (top + 1) % mask_id
+            firsts.append(p)
+    seq = SequenceFeatures(tokens, torch.zeros(T, 1), labels, first_supervised=start)
+    loss, n, acc = block_diffusion_loss(model, seq, B, mask_id, "target", random.Random(7))
+    assert len(firsts) >= 2 and n == int(masked[start:].sum())
+    assert acc == pytest.approx(((len(firsts) + 1) // 2) / len(firsts))

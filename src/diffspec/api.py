@@ -31,7 +31,8 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
                 max_context: Optional[int] = None, quiet: bool = False, drafter_dtype: str = "auto",
                 **policy_options) -> SpeculativeEngine:
     """Build an engine from names: model (None = the offline default), drafter, policy.
-    `drafter_dtype`: what the conditioned drafter computes in ('auto' = measured, see conditioned.py)."""
+    `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
+    drafters/dtype_choice.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
     engine_key = None

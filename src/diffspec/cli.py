@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--dtype", default="float32", help="target dtype (default float32: bf16 changes the target)")
-    g.add_argument("--drafter-dtype", default="auto", help="what the conditioned drafter computes in: auto (default: "
+    g.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in: auto (default: "
                    "timed at load, bfloat16 where it is 1.2x faster) or a dtype; the output is the target's either way")
     g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -117,7 +117,7 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
     s.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
     s.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")
     s.add_argument("--dtype", default="float32", help="target dtype (default float32)")
-    s.add_argument("--drafter-dtype", default="auto", help="what the conditioned drafter computes in (default auto: timed at load)")
+    s.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in (default auto: timed at load)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")

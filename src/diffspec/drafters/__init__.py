@@ -77,7 +77,7 @@ def set_compute_dtype(drafter: Optional[Drafter], compute_dtype: Optional[str], 
     check_drafter_dtype(compute_dtype)
     chooses = drafter is not None and drafter.capabilities.chooses_dtype
     if compute_dtype not in (None, "auto") and not chooses:
-        raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned drafter; "
+        raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned and block-diffusion drafters; "
                             f"'{spec}' computes in the target's dtype")
     if chooses:
         drafter.compute_dtype = compute_dtype

@@ -29,6 +29,7 @@ from ..cache import new_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
+from .dtype_choice import ChoosesDtype, median_ms
 from .denoising import block_causal_mask, full_mask, left_to_right_steps, select_unmask
 
 
@@ -55,9 +56,9 @@ def common_prefix_length(a: list, b: list) -> int:
     return n
 
 
-class BlockDiffusionDrafter(Drafter):
+class BlockDiffusionDrafter(ChoosesDtype, Drafter):
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
-                                       keeps_own_cache=True)
+                                       keeps_own_cache=True, chooses_dtype=True)
 
     def __init__(self, model, config: BlockDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "block-diffusion", reuse_cache: bool = True):
@@ -68,11 +69,28 @@ class BlockDiffusionDrafter(Drafter):
         self.reuse_cache = reuse_cache
         self.device = next(model.parameters()).device
         self.vocab_size: Optional[int] = None
+        self.compute_dtype: Optional[str] = None  # see dtype_choice.py
+        self.dtype_note = ""
         self.begin(None)
 
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
+        self._settle_dtype()
+
+    def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        if dtype is not None:
+            self.model.to(dtype)
+        self.begin(None)  # the cache is made in the model's dtype
+
+    def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
+        """Median milliseconds of one denoising step (a block on `context_len` cached positions)."""
+        B, mask = self.config.block_size, self.config.mask_token_id
+        self.begin(None)
+        self._commit([mask] * (context_len // B * B))
+        ms = median_ms(lambda: self._block_logits([mask] * B), self.device, repeats)
+        self.begin(None)
+        return ms
 
     def begin(self, prompt_ids) -> None:
         self._cache = new_cache(self.model.config)
@@ -173,4 +191,4 @@ class BlockDiffusionDrafter(Drafter):
     def describe(self) -> str:
         c = self.config
         return (f"{self.name}(block {c.block_size}, sub-block {c.sub_block_size}, threshold {c.unmask_threshold}, "
-                f"{'shifted' if c.logit_shift else 'unshifted'})")
+                f"{'shifted' if c.logit_shift else 'unshifted'}, {self._dtype_text()})")

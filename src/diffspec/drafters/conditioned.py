@@ -19,10 +19,7 @@ unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no 
 
 from __future__ import annotations
 
-import copy
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -30,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..devices import parse_dtype, synchronize
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
+from .dtype_choice import ChoosesDtype, median_ms
 
 
 def default_target_layers(num_target_layers: int, count: int = 3) -> list:
@@ -206,7 +203,7 @@ class ConditionedDraftModel(nn.Module):
         return [layer.self_attn.context_kv(ctx, positions) for layer in self.layers]
 
 
-class ConditionedDrafter(Drafter):
+class ConditionedDrafter(ChoosesDtype, Drafter):
     name = "conditioned"
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=True,
                                        keeps_own_cache=True, chooses_dtype=True)
@@ -221,8 +218,8 @@ class ConditionedDrafter(Drafter):
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
         self._embed = self._head_weight = self._target_head = None
         self.vocab_size: Optional[int] = None
-        self.compute_dtype: Optional[str] = None  # None: as loaded; 'auto': measured at attach; or a dtype name
-        self.dtype_note = ""                      # what attach chose and why (in describe())
+        self.compute_dtype: Optional[str] = None  # see dtype_choice.py
+        self.dtype_note = ""
         self.begin(None)
 
     def attach(self, target) -> None:
@@ -246,37 +243,13 @@ class ConditionedDrafter(Drafter):
         self.vocab_size = target.vocab_size
         self._settle_dtype()
 
-    def _settle_dtype(self) -> None:
-        """Compute in `compute_dtype` (None: as loaded). 'auto', for a drafter loaded in float32,
-        times one drafting step (body + LM head over the drafted positions) in float32 and in
-        bfloat16 on a copy, and switches only if bfloat16 is at least 1.2x faster: it wins where
-        the CPU has bf16 matrix instructions (the shared LM head dominates the step) and loses
-        where it has none; we measure instead of reading CPU flags. Other loaded dtypes are kept
-        (float64 is asked for exactness; a half-precision drafter is already the cheap one). The
-        drafts may change with the dtype; the output cannot (the target verifies every token)."""
-        request, self.dtype_note = self.compute_dtype, ""
-        loaded = next(self.model.parameters()).dtype
-        if request is None or (request == "auto" and loaded != torch.float32):
-            return
-        if request != "auto":
-            self._use_dtype(parse_dtype(request))
-            return
-        fp32_ms = self._time_step()
-        original = self.model
-        self.model = copy.deepcopy(original)  # the trial converts a copy: the float32 weights stay untouched
-        self._use_dtype(torch.bfloat16)
-        bf16_ms = self._time_step()
-        if bf16_ms * 1.2 <= fp32_ms:
-            self.dtype_note = f"bfloat16: {bf16_ms:.1f} ms a draft vs {fp32_ms:.1f} in float32"
-        else:
-            self.model, self._head_weight = original, original.head_weight(self._target_head)
-            self.dtype_note = f"float32: {fp32_ms:.1f} ms a draft vs {bf16_ms:.1f} in bfloat16"
-            self.begin(None)  # the cache is made in the model's dtype
-
-    def _use_dtype(self, dtype: torch.dtype) -> None:
-        self.model.to(dtype)
-        self._head_weight = self.model.head_weight(self._target_head).to(dtype)  # shares the target's when equal
-        self.begin(None)
+    def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        head = self.model.head_weight(self._target_head)  # the target's own tensor (shared) with a full vocabulary
+        if dtype is not None:
+            self.model.to(dtype)
+            head = head.to(dtype)
+        self._head_weight = head
+        self.begin(None)  # the cache is made in the model's dtype
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
         """Median milliseconds of one draft (block_logits) after a context of `context_len` positions."""
@@ -285,15 +258,9 @@ class ConditionedDrafter(Drafter):
         ctx = torch.full((context_len,), self.cfg.mask_token_id, dtype=torch.long, device=device)
         self.begin(None)
         self.observe(feats, 0)
-        times = []
-        for _ in range(repeats + 2):
-            synchronize(device)
-            t0 = time.perf_counter()
-            self.block_logits(ctx)
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
+        ms = median_ms(lambda: self.block_logits(ctx), device, repeats)
         self.begin(None)
-        return 1000 * statistics.median(times[2:])
+        return ms
 
     def begin(self, prompt_ids) -> None:
         device = next(self.model.parameters()).device
@@ -348,7 +315,7 @@ class ConditionedDrafter(Drafter):
         return builder.build(1, context.device)
 
     def describe(self) -> str:
-        dtype = self.dtype_note or str(next(self.model.parameters()).dtype).replace("torch.", "")
+        dtype = self._dtype_text()
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
                f"target layers {list(self.cfg.target_layer_ids)}, {dtype})"
 

@@ -87,10 +87,11 @@ def two_copy_mask(T: int, block: int, device="cpu") -> torch.Tensor:
 
 def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int, objective: str,
                          rng: random.Random, max_len: int = 512) -> tuple:
-    """-> (mean CE over masked positions, number of supervised positions)."""
+    """-> (mean CE over masked positions, number of supervised positions, slot-1 accuracy: the share of
+    each block's first masked position, the token a draft proposes first, whose argmax is the label)."""
     T = min(seq.tokens.shape[0], max_len) // block * block
     if T < block:
-        return None, 0
+        return None, 0, 0.0
     x = seq.tokens[:T]
     y, masked = noisy_copy(x, block, mask_id, rng)
     ids = torch.cat([x, y])[None]
@@ -100,12 +101,15 @@ def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int,
     idx = masked.nonzero().flatten()
     idx = idx[idx >= max(1, seq.first_supervised)]
     if idx.numel() == 0:
-        return None, 0
+        return None, 0, 0.0
     at_block_start = idx % block == 0
     source = torch.where(at_block_start, idx - 1, T + idx - 1)        # shifted: row i-1 predicts token i
     labels = seq.target_next[idx - 1] if objective == "target" else x[idx]
     logits = model.lm_head(hidden[source])
-    return F.cross_entropy(logits.float(), labels), int(idx.numel())
+    blocks = idx // block                                              # idx is sorted: a block's first row comes first
+    first = torch.cat([blocks.new_ones(1, dtype=torch.bool), blocks[1:] != blocks[:-1]])
+    slot1_acc = float((logits[first].argmax(-1) == labels[first]).float().mean())
+    return F.cross_entropy(logits.float(), labels), int(idx.numel()), slot1_acc
 
 
 @torch.no_grad()

@@ -348,9 +348,8 @@ class BlockTrainer:
 
     def loss(self, item) -> tuple:
         seq, rng = item
-        loss, n = block_diffusion_loss(self.model, seq, self.req.block_size, self.mask_id, self.tcfg.objective, rng,
-                                       max_len=self.req.seq_len)
-        return loss, n, 0.0
+        return block_diffusion_loss(self.model, seq, self.req.block_size, self.mask_id, self.tcfg.objective, rng,
+                                    max_len=self.req.seq_len)
 
     def drafter(self):
         return BlockDiffusionDrafter(self.model.float().eval(), BlockDiffusionConfig(
