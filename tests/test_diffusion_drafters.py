@@ -295,6 +295,36 @@ def test_block_drafter_auto_dtype_follows_the_measurement(target, tiny_model, to
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
+def test_block_drafter_keeps_float32_rotary_frequencies_in_bfloat16(target, tokenizer):
+    drafter = float32_block_drafter(tokenizer)
+    before = {n: b.clone() for n, b in drafter.model.named_buffers() if "inv_freq" in n}
+    drafter.compute_dtype = "bfloat16"
+    SpeculativeEngine(target, drafter, FixedPolicy(5))
+    after = dict(drafter.model.named_buffers())
+    assert before and next(drafter.model.parameters()).dtype == torch.bfloat16
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], b) for n, b in before.items())
+
+
+def test_block_drafter_auto_dtype_keeps_float64_and_falls_back_when_bf16_fails(target, tokenizer, monkeypatch):
+    drafter = BlockDiffusionDrafter(dllm(len(tokenizer)), BlockDiffusionConfig(mask_token_id=len(tokenizer), block_size=8,
+                                                                               sub_block_size=4))
+    drafter.compute_dtype = "auto"
+    SpeculativeEngine(target, drafter, FixedPolicy(5))
+    assert next(drafter.model.parameters()).dtype == torch.float64 and drafter.dtype_note == ""
+    drafter = float32_block_drafter(tokenizer)
+    calls = iter([lambda: 10.0, None])
+
+    def time_step(self):
+        step = next(calls)
+        if step is None:
+            raise RuntimeError("no bf16 kernel")
+        return step()
+    monkeypatch.setattr(BlockDiffusionDrafter, "_time_step", time_step)
+    drafter.compute_dtype = "auto"
+    SpeculativeEngine(target, drafter, FixedPolicy(5))
+    assert next(drafter.model.parameters()).dtype == torch.float32 and "bfloat16 failed" in drafter.describe()
+
+
 def test_block_drafter_auto_dtype_really_times_a_step_and_leaves_no_state(target, tiny_model, tokenizer):
     drafter = float32_block_drafter(tokenizer)
     drafter.compute_dtype = "auto"

@@ -107,6 +107,8 @@ def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, k
     model, _ = small_vocab_models
     target = Target(model)
     engine = SpeculativeEngine(target, diffusion_drafter(kind, target), FixedPolicy(3))
+    if kind.endswith("-bf16"):  # the drafter really computes in bf16 (the target stays as loaded)
+        assert next(engine.drafter.model.parameters()).dtype == torch.bfloat16
     params = SETTINGS[setting]
     assert chi_square_pvalue(sample_counts(engine, params, SAMPLES), exact_joint(model, params)) > 1e-3
 

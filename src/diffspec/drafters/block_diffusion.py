@@ -80,14 +80,20 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         if dtype is not None:
+            # rotary frequencies stay float32, as in a model loaded in low precision: rounded to
+            # bf16 they would turn positions by up to 0.4% of the distance between two tokens
+            rotary = {name: buf.float() for name, buf in self.model.named_buffers() if "inv_freq" in name}
             self.model.to(dtype)
+            for name, buf in rotary.items():
+                owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+                setattr(self.model.get_submodule(owner), attr, buf)
         self.begin(None)  # the cache is made in the model's dtype
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
-        """Median milliseconds of one denoising step (a block on `context_len` cached positions)."""
+        """Median milliseconds of one denoising step (a block on about `context_len` cached positions)."""
         B, mask = self.config.block_size, self.config.mask_token_id
         self.begin(None)
-        self._commit([mask] * (context_len // B * B))
+        self._commit([mask] * max(B, context_len // B * B))
         ms = median_ms(lambda: self._block_logits([mask] * B), self.device, repeats)
         self.begin(None)
         return ms

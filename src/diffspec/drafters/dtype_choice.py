@@ -46,8 +46,14 @@ class ChoosesDtype:
         fp32_ms = self._time_step()
         original = self.model
         self.model = copy.deepcopy(original)  # the trial converts a copy: the float32 weights stay untouched
-        self._use_dtype(torch.bfloat16)
-        bf16_ms = self._time_step()
+        try:
+            self._use_dtype(torch.bfloat16)
+            bf16_ms = self._time_step()
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # no bf16 kernels here: float32 it is
+            self.model = original
+            self._use_dtype(None)
+            self.dtype_note = f"float32: bfloat16 failed on this device ({type(e).__name__}: {str(e)[:80]})"
+            return
         if bf16_ms * 1.2 <= fp32_ms:
             self.dtype_note = f"bfloat16: {bf16_ms:.1f} ms a draft step vs {fp32_ms:.1f} in float32"
         else:

@@ -88,7 +88,8 @@ def two_copy_mask(T: int, block: int, device="cpu") -> torch.Tensor:
 def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int, objective: str,
                          rng: random.Random, max_len: int = 512) -> tuple:
     """-> (mean CE over masked positions, number of supervised positions, slot-1 accuracy: the share of
-    each block's first masked position, the token a draft proposes first, whose argmax is the label)."""
+    blocks whose first masked position, with the rest of the block masked too (the token a draft
+    proposes first), has the label as its argmax)."""
     T = min(seq.tokens.shape[0], max_len) // block * block
     if T < block:
         return None, 0, 0.0
@@ -108,7 +109,10 @@ def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int,
     logits = model.lm_head(hidden[source])
     blocks = idx // block                                              # idx is sorted: a block's first row comes first
     first = torch.cat([blocks.new_ones(1, dtype=torch.bool), blocks[1:] != blocks[:-1]])
-    slot1_acc = float((logits[first].argmax(-1) == labels[first]).float().mean())
+    # ... counted where the rest of its block is masked too (what a draft faces: all of it unknown)
+    tail_masked = masked.view(-1, block).flip(1).long().cumprod(1).flip(1).flatten().bool()
+    first &= tail_masked[idx]
+    slot1_acc = float((logits[first].argmax(-1) == labels[first]).float().mean()) if first.any() else 0.0
     return F.cross_entropy(logits.float(), labels), int(idx.numel()), slot1_acc
 
 
