@@ -202,6 +202,16 @@ def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
 # --- what the conditioned drafter computes in (compute_dtype) ------------------------------------
 # The target stays float64 (exact verify/decode agreement); only the drafter is float32 or bf16.
 
+def greedy_identical_drafted(engine, tiny_model) -> int:
+    """Generate each of PROMPTS (30 tokens, no stop), assert it equals plain greedy; -> tokens drafted."""
+    drafted = 0
+    for prompt in PROMPTS:
+        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+        assert r.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
+        drafted += r.drafted_tokens
+    return drafted
+
+
 def float32_drafter(target):
     drafter = conditioned_for(target)
     drafter.model.to(torch.float32)
@@ -216,12 +226,7 @@ def test_bfloat16_drafter_stays_lossless_and_leaves_the_target_alone(target, tin
     engine = SpeculativeEngine(target, drafter, POLICIES[policy]())
     assert next(drafter.model.parameters()).dtype == torch.bfloat16 and drafter._head_weight.dtype == torch.bfloat16
     assert tiny_model.lm_head.weight.dtype == torch.float64 and torch.equal(tiny_model.lm_head.weight, head_before)
-    drafted = 0
-    for prompt in PROMPTS:
-        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
-        assert r.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
-        drafted += r.drafted_tokens
-    assert drafted > 0 and "bfloat16" in drafter.describe()
+    assert greedy_identical_drafted(engine, tiny_model) > 0 and "bfloat16" in drafter.describe()
 
 
 @pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
@@ -271,12 +276,7 @@ def test_bfloat16_block_drafter_stays_lossless(target, tiny_model, tokenizer, po
     engine = SpeculativeEngine(target, drafter, POLICIES[policy]())
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
     assert next(tiny_model.parameters()).dtype == torch.float64
-    drafted = 0
-    for prompt in PROMPTS:
-        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
-        assert r.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
-        drafted += r.drafted_tokens
-    assert drafted > 0 and "bfloat16" in drafter.describe()
+    assert greedy_identical_drafted(engine, tiny_model) > 0 and "bfloat16" in drafter.describe()
 
 
 @pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
