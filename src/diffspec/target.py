@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -35,23 +35,62 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+_TURN_PROBE = "diffspec-end-of-turn-probe"
+
+
+def _rendered_assistant_turns(tokenizer) -> Iterator[str]:
+    """The chat template rendered for small conversations with an assistant reply reading `_TURN_PROBE`:
+    ending on that reply, then followed by a user turn (some templates close only earlier turns), each
+    also with a system message first (some templates insist on one). Conversations that the template
+    refuses (jinja errors, raise_exception(...) on roles it does not know) are skipped."""
+    if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
+        return
+    reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _TURN_PROBE}]
+    follow_up = [{"role": "user", "content": "Thanks"}]
+    system = [{"role": "system", "content": "Be brief."}]
+    for messages in (reply, reply + follow_up, system + reply, system + reply + follow_up):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # a template may raise anything
+            continue
+        if isinstance(text, str) and _TURN_PROBE in text:
+            yield text
+
+
+def template_end_of_turn_id(tokenizer) -> Optional[int]:
+    """The token the chat template writes right after an assistant message (ChatML's <|im_end|>,
+    Llama-3's <|eot_id|>, Gemma's <end_of_turn>), or None. Only a special or added token counts,
+    never plain text; the template's other special tokens (e.g. Llama-3's <|end_header_id|>) do not."""
+    specials = {t for t in list(getattr(tokenizer, "all_special_tokens", [])) + list(tokenizer.get_added_vocab()) if t}
+    for text in _rendered_assistant_turns(tokenizer):
+        after = text[text.index(_TURN_PROBE) + len(_TURN_PROBE):].lstrip()
+        # the longest match, so that e.g. "<|end|>" cannot shadow a longer token sharing its beginning
+        token = max((t for t in specials if after.startswith(t)), key=len, default=None)
+        tid = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+        if isinstance(tid, int) and tid >= 0:
+            return tid
+    return None
+
+
 def chat_stop_token_ids(tokenizer) -> set:
-    """End-of-turn tokens named in the chat template (e.g. ChatML's <|im_end|>) plus EOS."""
+    """The tokenizer's EOS plus the chat template's end-of-turn token (see template_end_of_turn_id)."""
     ids = set()
     if tokenizer is None:
         return ids
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    for text in getattr(tokenizer, "all_special_tokens", []) + list(tokenizer.get_added_vocab()):
-        low = text.lower()
-        if text in template and ("end" in low or "eot" in low):
-            tid = tokenizer.convert_tokens_to_ids(text)
-            if isinstance(tid, int) and tid >= 0:
-                ids.add(tid)
+    end_of_turn = template_end_of_turn_id(tokenizer)
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
     return ids
+
+
+def generation_eos_ids(model) -> set:
+    """`model.generation_config.eos_token_id` (None, an int or a list) as a set of ints."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return {int(e) for e in eos}
 
 
 class Target:
@@ -68,10 +107,8 @@ class Target:
         self.max_context = int(min(max_context, limit) if max_context else limit)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        gen = getattr(model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.stop_token_ids = frozenset(int(e) for e in eos) | frozenset(chat_stop_token_ids(tokenizer))
+        # what transformers' generate stops on, plus the end of an assistant turn in the chat template
+        self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
         self.forward_passes = 0
         self._cache = new_cache(model.config)
 
