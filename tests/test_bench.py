@@ -122,25 +122,107 @@ def test_method_specs_and_sweep():
 
 # --- summary statistics ------------------------------------------------------------------------
 
-def _row(method, dataset, speedup, lossless=True, acc=1.5):
-    return {"method": method, "dataset": dataset, "prompt_id": f"p{speedup}", "speedup": speedup,
-            "wall_time_s": 1.0 / speedup, "new_tokens": 10, "mean_accepted_length": acc, "target_forward_passes": 8,
-            "drafter_forward_passes": 4, "lossless": lossless}
+def _row(method, dataset, speedup, lossless=True, acc=1.5, prompt_id=None, new_tokens=10):
+    return {"method": method, "dataset": dataset, "prompt_id": prompt_id or f"p{speedup}", "speedup": speedup,
+            "wall_time_s": 1.0 / speedup, "new_tokens": new_tokens, "mean_accepted_length": acc,
+            "target_forward_passes": 8, "drafter_forward_passes": 4, "lossless": lossless}
 
 
 def test_summary_statistics_on_hand_made_rows():
-    rows = [_row("plain", "a", 1.0), _row("plain", "a", 1.0), _row("x", "a", 1.0), _row("x", "a", 2.0),
-            _row("x", "a", 4.5), _row("fast-but-wrong", "a", 9.0, lossless=False), _row("x", "b", 0.5)]
+    rows = [_row("plain", "a", 1.0, prompt_id="p1"), _row("plain", "a", 1.0, prompt_id="p2"),
+            _row("plain", "a", 1.0, prompt_id="p3"), _row("x", "a", 1.0, prompt_id="p1"),
+            _row("x", "a", 2.0, prompt_id="p2"), _row("x", "a", 4.5, prompt_id="p3"),
+            _row("fast-but-wrong", "a", 9.0, lossless=False, prompt_id="p1"),
+            _row("plain", "b", 1.0, prompt_id="q1"), _row("x", "b", 0.5, prompt_id="q1")]
     summary = {(s["dataset"], s["method"]): s for s in summarize(rows)}
     x = summary[("a", "x")]
     assert (x["prompts"], x["speedup_mean"], x["speedup_median"], x["speedup_min"], x["speedup_max"]) == \
         (3, 2.5, 2.0, 1.0, 4.5)
     assert x["tokens_per_s"] == round(30 / (1 + 0.5 + 1 / 4.5), 3) and x["lossless"] is True
+    assert x["throughput_ratio"] == round(3 / (1 + 0.5 + 1 / 4.5), 4)  # same tokens: plain's total time / x's
     assert summary[("all", "x")]["prompts"] == 4 and summary[("all", "x")]["speedup_median"] == 1.5
+    assert summary[("a", "plain")]["throughput_ratio"] == 1.0
     assert summary[("a", "fast-but-wrong")]["lossless"] is False
-    assert best_per_dataset(summarize(rows)) == {"a": "x", "b": "x", "all": "x"}  # the lossy one is never best
+    # picked by throughput ratio; the lossy one is never best; on b, x (0.5x) loses to plain
+    assert best_per_dataset(summarize(rows)) == {"a": "x", "b": "plain", "all": "x"}
+    without_plain = summarize([r for r in rows if r["method"] != "plain"])
+    assert {s["throughput_ratio"] for s in without_plain} == {None}
+    assert best_per_dataset(without_plain) == {"a": "x", "b": "x", "all": "x"}  # falls back to the median
     sampled = summarize([dict(r, lossless=None) for r in rows[:2]])
     assert sampled[0]["lossless"] is None
+
+
+def test_throughput_ratio_weighs_prompts_by_time_not_like_the_mean_of_ratios():
+    """One long slow prompt the method does not speed up, one short one it speeds up 4x: the mean of
+    per-prompt ratios says 2.5x, the throughput ratio (total tokens / total time vs plain) 11/10.25."""
+    from types import SimpleNamespace
+
+    from diffspec.bench.report import markdown
+
+    def row(method, dataset, prompt_id, new_tokens, wall, plain_wall):
+        return dict(_row(method, dataset, 1.0, prompt_id=prompt_id, new_tokens=new_tokens), wall_time_s=wall,
+                    speedup=round(plain_wall / wall, 4))
+
+    rows = [row("plain", "a", "long", 200, 10.0, 10.0), row("x", "a", "long", 200, 10.0, 10.0),
+            row("short-answers", "a", "long", 100, 5.0, 10.0),
+            row("plain", "a", "short", 20, 1.0, 1.0), row("x", "a", "short", 20, 0.25, 1.0),
+            row("short-answers", "a", "short", 20, 1.0, 1.0),
+            # same prompt id in another set: rows pair with plain by (dataset, prompt_id)
+            row("plain", "b", "long", 100, 4.0, 4.0), row("x", "b", "long", 100, 2.0, 4.0)]
+    summary = {(s["dataset"], s["method"]): s for s in summarize(rows)}
+    x = summary[("a", "x")]
+    assert x["speedup_mean"] == 2.5 and (x["speedup_min"], x["speedup_max"]) == (1.0, 4.0)
+    assert x["throughput_ratio"] == round(11 / 10.25, 4) == 1.0732  # (220 / 10.25 s) / (220 / 11 s)
+    # per prompt 2x and 1x in time, but half the tokens on the long one: the same tokens per second
+    assert summary[("a", "short-answers")]["speedup_mean"] == 1.5
+    assert summary[("a", "short-answers")]["throughput_ratio"] == 1.0
+    assert summary[("b", "x")]["throughput_ratio"] == 2.0
+    assert summary[("all", "x")]["throughput_ratio"] == round(15 / 12.25, 4) == 1.2245  # (320/12.25) / (320/15)
+    assert best_per_dataset(list(summary.values()))["a"] == "x"
+
+    result = SimpleNamespace(
+        rows=rows, methods=(), failures=(),
+        machine={"cpu": "cpu", "cpus": 2, "cpu_flags": {"avx2": True}, "threads": 2, "torch": "t",
+                 "transformers": "tf", "python": "3", "commit": "c"},
+        settings={"command": "diffspec bench (test)", "target": "tiny", "target_dtype": "float32", "prompts": 3,
+                  "dataset": "a", "max_new_tokens": 200, "temperature": 0.0, "seed": None, "repeats": 1})
+    md = markdown(result, list(summary.values()), best_per_dataset(list(summary.values())), [])
+    header = next(line for line in md.splitlines() if line.startswith("| dataset |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[3:7] == ["throughput ratio", "per-prompt speedup mean", "median", "min-max"]
+    assert "| a | x | 2 | 1.07x | 2.50x | 2.50x | 1.00-4.00 |" in md
+
+
+def test_speedup_plot_bars_are_throughput_ratios_with_per_prompt_whiskers(tmp_path, monkeypatch):
+    import sys
+
+    pytest.importorskip("matplotlib")
+    from diffspec.bench import plots
+
+    drawn = []
+    summary = [{"dataset": "a", "method": "plain", "throughput_ratio": 1.0, "speedup_median": 1.0,
+                "speedup_min": 1.0, "speedup_max": 1.0},
+               {"dataset": "a", "method": "y", "throughput_ratio": 0.9, "speedup_median": 1.5,  # below its min:
+                "speedup_min": 1.0, "speedup_max": 2.0}]                                       # fewer tokens
+    plt = plots._pyplot(sys.stderr)
+    real_subplots = plt.subplots
+
+    def subplots(*args, **kwargs):  # record what each bar call draws, then draw it
+        fig, ax = real_subplots(*args, **kwargs)
+        real_bar = ax.bar
+
+        def bar(xs, heights, width, yerr, **kw):
+            drawn.append((list(heights), yerr))
+            return real_bar(xs, heights, width, yerr=yerr, **kw)
+
+        ax.bar = bar
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    plots.plot_speedup(plt, summary, tmp_path / "speedup.png")
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+    assert drawn[0] == ([1.0], [[0.0], [0.0]])
+    assert drawn[1][0] == [0.9] and drawn[1][1][0] == [0.0] and drawn[1][1][1] == [pytest.approx(1.1)]
 
 
 def test_round_profile_splits_wall_time_per_round():
@@ -191,10 +273,13 @@ def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, cap
     assert {"cpu", "cpu_flags", "threads", "torch", "transformers", "commit"} <= set(record["machine"])
     assert set(record["machine"]["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert record["best"]["mine"] in names and len(record["summary"]) == len(names)
+    ratios = {e["method"]: e["throughput_ratio"] for e in record["summary"]}
+    assert ratios["plain"] == 1.0 and all(isinstance(v, float) and v > 0 for v in ratios.values())
     weights = {m["name"]: m for m in record["methods"]}
     assert "random" in weights["conditioned"]["weights"] and weights["conditioned"]["notes"]  # which weights ran
     md = (out / "summary.md").read_text()
     assert "diffspec bench (test)" in md and "Machine:" in md and "**best**" in md and "| mine | conditioned |" in md
+    assert "| dataset | method | prompts | throughput ratio | per-prompt speedup mean | median | min-max |" in md
 
 
 def test_sampling_leaves_lossless_null(target, prompt_file):

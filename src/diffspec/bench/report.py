@@ -1,9 +1,11 @@
 """Summaries and output files of `diffspec bench`.
 
 `summarize(rows)` groups rows per dataset x method (plus an `all` group per method when there
-are several datasets) into mean / median / min / max speedup and the other means; `best_per_dataset`
-picks the highest median speedup among configurations not shown lossy. `write_outputs` writes
-results.jsonl (one row per method x prompt), summary.json, summary.md and the PNG plots.
+are several datasets). The headline figure of a group is its throughput ratio: the method's total
+new tokens / total wall time over plain's on the same prompts; beside it the mean / median / min /
+max of the per-prompt speedups, and the other means. `best_per_dataset` picks the highest
+throughput ratio among configurations not shown lossy. `write_outputs` writes results.jsonl (one
+row per method x prompt), summary.json, summary.md and the PNG plots.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional, Sequence, TextIO
 from ..errors import DiffspecError
 
 ALL = "all"
+BASELINE = "plain"
 
 
 def _groups(rows: Sequence[dict]) -> list:
@@ -45,11 +48,31 @@ def _mean(values) -> Optional[float]:
     return round(statistics.fmean(values), 4) if values else None
 
 
+def throughput_ratio(rs: Sequence[dict], baseline: dict) -> Optional[float]:
+    """(total new tokens / total wall time of `rs`) / (the same of plain's rows for the same prompts).
+
+    `baseline` maps (dataset, prompt_id) to plain's row. Only prompts that plain also ran, with
+    positive wall times on both sides, count; the wall times are the per-prompt medians over repeats
+    that the per-prompt speedups divide, so the two figures describe the same measurements. Unlike
+    the mean of per-prompt ratios it weighs each prompt by its time: a long slow prompt counts more
+    than a short fast one. None when no prompt pairs with plain."""
+    pairs = [(r, baseline.get((r["dataset"], r["prompt_id"]))) for r in rs]
+    pairs = [(r, b) for r, b in pairs if b is not None and r["wall_time_s"] > 0 and b["wall_time_s"] > 0]
+    if not pairs:
+        return None
+    mine = sum(r["new_tokens"] for r, _ in pairs) / sum(r["wall_time_s"] for r, _ in pairs)
+    base = sum(b["new_tokens"] for _, b in pairs) / sum(b["wall_time_s"] for _, b in pairs)
+    return round(mine / base, 4) if base > 0 else None
+
+
 def summarize(rows: Sequence[dict]) -> list:
-    """One dict per dataset x method: speedup mean/median/min/max over prompts and other means.
+    """One dict per dataset x method: throughput_ratio (the headline, see `throughput_ratio`; None
+    without plain rows for those prompts), speedup mean/median/min/max over the per-prompt speedups
+    (plain's time / the method's on each prompt), and other means.
 
     tokens_per_s is aggregate (total new tokens / total wall time); lossless is True when every
     prompt matched plain, False when any differed, None when not checked (sampling)."""
+    baseline = {(r["dataset"], r["prompt_id"]): r for r in rows if r["method"] == BASELINE}
     out = []
     for (dataset, method), rs in _groups(rows):
         speedups = [r["speedup"] for r in rs if r.get("speedup") is not None]
@@ -57,6 +80,7 @@ def summarize(rows: Sequence[dict]) -> list:
         tokens = sum(r["new_tokens"] for r in rs)
         out.append({
             "dataset": dataset, "method": method, "prompts": len(rs),
+            "throughput_ratio": throughput_ratio(rs, baseline),
             "speedup_mean": _mean(speedups),
             "speedup_median": round(statistics.median(speedups), 4) if speedups else None,
             "speedup_min": round(min(speedups), 4) if speedups else None,
@@ -100,14 +124,22 @@ def round_profile(rows: Sequence[dict]) -> list:
     return out
 
 
+def _headline(entry: dict) -> Optional[float]:
+    """The throughput ratio; the median per-prompt speedup only for entries without one (no plain rows)."""
+    ratio = entry.get("throughput_ratio")
+    return entry.get("speedup_median") if ratio is None else ratio
+
+
 def best_per_dataset(summary: Sequence[dict]) -> dict:
-    """{dataset: method} with the highest median speedup among entries whose lossless is not False."""
+    """{dataset: method} with the highest throughput ratio among entries whose lossless is not False
+    (the median per-prompt speedup stands in where an entry has no throughput ratio); ties keep the
+    first entry."""
     best: dict = {}
     for s in summary:
-        if s["lossless"] is False or s["speedup_median"] is None:
+        if s["lossless"] is False or _headline(s) is None:
             continue
         current = best.get(s["dataset"])
-        if current is None or s["speedup_median"] > current["speedup_median"]:
+        if current is None or _headline(s) > _headline(current):
             best[s["dataset"]] = s
     return {d: s["method"] for d, s in best.items()}
 
@@ -131,15 +163,20 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
              f"{s['max_new_tokens']} new tokens max; temperature {s['temperature']}"
              + (f", seed {s['seed']}" if s["seed"] is not None else "")
              + f"; median of {s['repeats']} repeat(s); methods interleaved per prompt after a warm-up.", "",
-             "Speedup = plain's wall time / the method's, per prompt; tok/s = total new tokens / total time; "
-             "lossless = token-identical to plain on every prompt (n/a when sampling).", "",
-             "| dataset | method | prompts | speedup mean | median | min-max | mean acc. len | tok/s | "
-             "target passes | drafter passes | lossless | best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Throughput ratio (the headline) = the method's total new tokens / total wall time, over plain's "
+             "on the same prompts; per-prompt speedup = plain's wall time / the method's on one prompt "
+             "(mean, median, min-max over prompts; the mean weighs a short prompt like a long one); "
+             "tok/s = total new tokens / total time; "
+             "lossless = token-identical to plain on every prompt (n/a when sampling); "
+             "best = highest throughput ratio among configurations not shown lossy.", "",
+             "| dataset | method | prompts | throughput ratio | per-prompt speedup mean | median | min-max | "
+             "mean acc. len | tok/s | target passes | drafter passes | lossless | best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary:
         spread = "-" if e["speedup_min"] is None else f"{e['speedup_min']:.2f}-{e['speedup_max']:.2f}"
         mark = "**best**" if best.get(e["dataset"]) == e["method"] else ""
-        lines.append(f"| {e['dataset']} | {e['method']} | {e['prompts']} | {_fmt(e['speedup_mean'], 'x')} | "
+        lines.append(f"| {e['dataset']} | {e['method']} | {e['prompts']} | {_fmt(e.get('throughput_ratio'), 'x')} | "
+                     f"{_fmt(e['speedup_mean'], 'x')} | "
                      f"{_fmt(e['speedup_median'], 'x')} | {spread} | {_fmt(e['mean_accepted_length'])} | "
                      f"{_fmt(e['tokens_per_s'], '', 1)} | {_fmt(e['target_forward_passes_mean'], '', 1)} | "
                      f"{_fmt(e['drafter_forward_passes_mean'], '', 1)} | {_yes_no(e['lossless'])} | {mark} |")
