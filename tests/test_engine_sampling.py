@@ -146,3 +146,73 @@ def test_same_seed_same_output(small_vocab_models):
     runs = [engine.generate(PROMPT, max_new_tokens=20, sampling=SamplingParams(1.0, seed=7), stop_token_ids=[]).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+class OrderFlipToy(torch.nn.Module):
+    """A diffusion 'model' whose unmasking order depends on the tokens it drew (issue 15's case).
+
+    Logits are unshifted (row i predicts position i). Let f be the first masked position. Normally
+    row f is q = (.5 a, .5 b), every other row uniform (confidence 1/V): one token is unmasked per
+    step, left to right. But when the token just left of f is b and f+1 is masked (no hole yet),
+    row f+1 is (.6 a, .4 b), more confident than row f: position f+1 is unmasked BEFORE f. So a
+    draft d_0 = b breaks the left-to-right order and d_0 = a keeps it (for the next step at least).
+    """
+
+    def __init__(self, vocab: int, mask: int, a: int, b: int):
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.vocab, self.mask, self.a, self.b = vocab, mask, a, b
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))  # device and dtype
+        self.config = LlamaConfig(vocab_size=vocab + 1, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1)
+
+    def _row(self, pa: float) -> torch.Tensor:
+        row = torch.full((self.vocab + 1,), float("-inf"), dtype=torch.float64)
+        row[self.a], row[self.b] = np.log(pa), np.log(1 - pa)
+        return row
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, position_ids=None):
+        from types import SimpleNamespace
+
+        x = input_ids[0].tolist()
+        rows = torch.full((len(x), self.vocab + 1), -np.log(self.vocab), dtype=torch.float64)
+        rows[:, self.mask] = float("-inf")
+        masked = [i for i, t in enumerate(x) if t == self.mask]
+        if masked:
+            f = masked[0]
+            hole = any(t != self.mask for t in x[f + 1:])
+            if f > 0 and x[f - 1] == self.b and not hole and f + 1 < len(x):
+                rows[f + 1] = self._row(0.6)
+            rows[f] = self._row(0.5)
+        return SimpleNamespace(logits=rows[None])
+
+
+@pytest.mark.parametrize("kind", ["block", "masked"])
+def test_value_dependent_unmasking_order_stays_exact(small_vocab_models, kind):
+    """Issue 15: deciding q-or-one-hot once for the whole draft biases the first token whenever the
+    unmasking order of later steps depends on the values drawn earlier (P(a) = .5 + .5 p(a) with
+    p(a) >= .5). The chi-square test on the first two emitted tokens must see no difference from the
+    target's own distribution; the power check below shows the biased rule would fail it."""
+    from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, MaskedDiffusionConfig,
+                                   MaskedDiffusionDrafter)
+
+    model, _ = small_vocab_models
+    params = SETTINGS["temperature"]
+    joint = exact_joint(model, params)
+    first = joint.reshape(V, V).sum(1)
+    a, b = [int(t) for t in np.argsort(-first) if t != PROMPT[-1]][:2]  # the masked drafter sees PROMPT[-1] as "left of f"
+    toy = OrderFlipToy(V, V, a, b)
+    if kind == "block":
+        drafter = BlockDiffusionDrafter(toy, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=4,
+                                                                  unmask_threshold=0.95, logit_shift=False))
+    else:
+        drafter = MaskedDiffusionDrafter(toy, MaskedDiffusionConfig(mask_token_id=V, steps=3, logit_shift=False))
+    engine = SpeculativeEngine(Target(model), drafter, FixedPolicy(3))
+    counts = sample_counts(engine, params, SAMPLES)
+    # the case is built so that a whole-draft rule would be far off: the first token's bias is >= 0.05
+    p_a = first[a]
+    biased_first_a = 0.5 * min(1.0, 2 * p_a) + 0.5 * p_a
+    assert abs(biased_first_a - p_a) > 0.05
+    assert chi_square_pvalue(counts, joint) > 1e-3
+    assert chi_square_pvalue(counts.reshape(V, V).sum(1), first) > 1e-3

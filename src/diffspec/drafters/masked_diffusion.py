@@ -8,8 +8,8 @@ on the masks, so there is no reusable cache: every step re-reads the context (th
 `context_window` tokens of it).
 
 For rejection sampling, q of a token is the drafter's distribution at the step that unmasked it;
-when the unmasking order is not left to right, the draft falls back to one-hot q (exact, see
-denoising.py). Greedy drafts are argmax (one-hot q).
+a token unmasked at an earlier step than some token to its left is judged with one-hot q instead,
+position by position (exact; the argument is in denoising.py). Greedy drafts are argmax (one-hot q).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
-from .denoising import full_mask, left_to_right_steps, select_top
+from .denoising import full_mask, judge_out_of_order_one_hot, select_top
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,7 @@ class MaskedDiffusionDrafter(Drafter):
                 builder.add(token, c, q_row)
                 steps.append(s)
         draft = builder.build(passes, context.device)
-        if draft.probs is not None and not left_to_right_steps(steps):
-            draft = Draft(draft.tokens, None, draft.confidences, draft.forward_passes)
-        return draft
+        return judge_out_of_order_one_hot(draft, steps)  # per position: see denoising.py
 
     def describe(self) -> str:
         return f"{self.name}(T={self.config.steps}, {'shifted' if self.config.logit_shift else 'unshifted'})"
