@@ -57,3 +57,34 @@ def test_fixed_policy():
 def test_invalid_policy_parameters(make):
     with pytest.raises(DiffspecError):
         make()
+
+
+def test_policy_parameters_a_block_limited_drafter_makes_moot_are_said_once(target):
+    """Issue 15: a conditioned drafter with block 8 drafts at most 7 tokens a round, so FailFast's
+    window N=10 makes it fixed gamma=7 and gamma 16 is capped: the engine says so in each result
+    (stats line, --json, bench Methods table) and stays silent where every parameter still acts."""
+    import torch
+
+    from diffspec import SpeculativeEngine
+    from diffspec.drafters import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+
+    torch.manual_seed(0)
+    drafter = ConditionedDrafter(ConditionedDraftModel(ConditionedConfig.for_target(
+        target.model.config, mask_token_id=3, block_size=8, num_features=2)).to(torch.float64))
+    assert drafter.max_tokens_per_round == 7
+    cases = [(FailFastPolicy(), "FailFast drafts 7 every round"), (FixedPolicy(16), "gamma 16 drafts 7"),
+             (FailFastPolicy(n=3, n_max=60), "N_max=60 acts as 7"), (FixedPolicy(7), None),
+             (FailFastPolicy(n=3, n_max=6), None)]
+    for policy, expected in cases:
+        engine = SpeculativeEngine(target, drafter, policy)
+        result = engine.generate([5, 6, 7, 8], max_new_tokens=6, stop_token_ids=[])
+        if expected is None:
+            assert engine.notes == () and result.stats_dict()["notes"] == []
+        else:
+            assert len(engine.notes) == 1 and expected in engine.notes[0]
+            assert result.stats_dict()["notes"] == list(engine.notes)
+        assert max(r.drafted for r in result.rounds) <= 7
+    # drafters without a per-round cap never get a note
+    from diffspec import PromptLookupDrafter
+
+    assert SpeculativeEngine(target, PromptLookupDrafter(), FixedPolicy(60)).notes == ()

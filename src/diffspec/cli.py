@@ -225,7 +225,8 @@ def _generate(args) -> int:
           f"drafter {engine.drafter.describe() if engine.drafter else 'none'}, policy {engine.policy.describe()} | "
           f"rounds {r.num_rounds}, drafted {r.drafted_tokens}, accepted {r.accepted_tokens}, "
           f"mean accepted length {r.mean_accepted_length:.2f} | forward passes: target {r.target_forward_passes}, "
-          f"drafter {r.drafter_forward_passes} | finish {r.finish_reason}]", file=sys.stderr)
+          f"drafter {r.drafter_forward_passes} | finish {r.finish_reason}"
+          + "".join(f" | note: {n}" for n in r.notes) + "]", file=sys.stderr)
     return 0
 
 

@@ -48,6 +48,9 @@ class SpeculativeEngine:
         self.target = target
         self.drafter = drafter
         self.policy = policy or FailFastPolicy()
+        cap = drafter.max_tokens_per_round if drafter is not None else None
+        # parameters that a drafter's per-round cap makes moot: said once, in every result's stats
+        self.notes: tuple = self.policy.cap_notes(cap) if cap is not None else ()
 
     # --- public API ----------------------------------------------------------------------
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, sampling: Optional[SamplingParams] = None,
@@ -205,4 +208,4 @@ class GenerationStream:
         self.result = GenerationResult(
             text=self.text, token_ids=list(self.token_ids), prompt_token_ids=list(self.prompt_ids),
             finish_reason=self._finish_reason, rounds=tuple(self.round_stats), wall_time_s=wall,
-            prefill_time_s=self._prefill[0], prefill_forward_passes=self._prefill[1])
+            prefill_time_s=self._prefill[0], prefill_forward_passes=self._prefill[1], notes=self._engine.notes)

@@ -123,6 +123,7 @@ class GenerationResult:
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     prefill_forward_passes: int = 0
+    notes: tuple = ()  # settings that had no effect with this drafter (see LengthPolicy.cap_notes)
 
     @property
     def num_rounds(self) -> int:
@@ -175,6 +176,7 @@ class GenerationResult:
             "verify_time_s": round(self.verify_time_s, 4),
             "prefill_time_s": round(self.prefill_time_s, 4),
             "finish_reason": self.finish_reason,
+            "notes": list(self.notes),
         }
 
     def to_dict(self) -> dict:

@@ -485,7 +485,8 @@ def build_runner(spec: MethodSpec, target, registry: Optional[dict] = None) -> t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runner = registry[spec.method].build(target, spec.values(registry))
-    return runner, tuple(str(w.message) for w in caught)
+    engine_notes = runner.engine.notes if isinstance(runner, EngineRunner) else ()  # e.g. a FailFast window wider than the block
+    return runner, tuple(str(w.message) for w in caught) + tuple(engine_notes)
 
 
 def list_methods(registry: Optional[dict] = None) -> str:

@@ -42,6 +42,7 @@ class Drafter(ABC):
     target_layer_ids: tuple = ()           # target layers whose hidden states observe() receives
     tokenizer_fingerprint: Optional[str] = None  # None: works on ids of any tokenizer
     default_gamma: int = 8                 # the fixed policy's draft length when the user names none
+    max_tokens_per_round: Optional[int] = None  # the most one round can draft (None: no cap)
     compute_dtype: Optional[str] = None    # with capabilities.chooses_dtype: None (as loaded), 'auto' or a dtype name
 
     def attach(self, target) -> None:

@@ -216,6 +216,7 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.target_layer_ids = tuple(model.cfg.target_layer_ids)
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
+        self.max_tokens_per_round = model.cfg.block_size - 1  # and never more
         self._embed = self._head_weight = self._target_head = None
         self.vocab_size: Optional[int] = None
         self.compute_dtype: Optional[str] = None  # see dtype_choice.py

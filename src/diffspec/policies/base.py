@@ -29,5 +29,10 @@ class LengthPolicy(ABC):
     def update(self, stats: RoundStats) -> None:
         """Feedback after each round (adaptive policies override)."""
 
+    def cap_notes(self, cap: int) -> tuple:
+        """What this policy's parameters stop meaning for a drafter that drafts at most `cap` tokens a
+        round (shown once, so no parameter is ignored silently). Empty when they all still act."""
+        return ()
+
     def describe(self) -> str:
         return self.name

@@ -43,5 +43,13 @@ class FailFastPolicy(LengthPolicy):
     def next_increment(self, confidences: Sequence[float]) -> int:
         return failfast_next_increment(confidences, self.tau, self.n, self.n_max)
 
+    def cap_notes(self, cap: int) -> tuple:
+        if self.n >= cap:
+            return (f"FailFast drafts {cap} every round, as fixed gamma {cap} would: its window N={self.n} is not "
+                    f"smaller than the {cap} tokens the drafter drafts at most a round (tau and N_max have no effect)",)
+        if self.n_max > cap:
+            return (f"FailFast N_max={self.n_max} acts as {cap}: the drafter drafts at most {cap} tokens a round",)
+        return ()
+
     def describe(self) -> str:
         return f"failfast(tau={self.tau}, N={self.n}, N_max={self.n_max})"

@@ -21,5 +21,10 @@ class FixedPolicy(LengthPolicy):
     def next_increment(self, confidences: Sequence[float]) -> int:
         return self.gamma if len(confidences) == 0 else 0
 
+    def cap_notes(self, cap: int) -> tuple:
+        if self.gamma > cap:
+            return (f"gamma {self.gamma} drafts {cap}: the drafter drafts at most {cap} tokens a round",)
+        return ()
+
     def describe(self) -> str:
         return f"fixed(gamma={self.gamma})"
