@@ -100,3 +100,16 @@ def test_tokenizer_fingerprint_is_the_vocabulary_alone():
     c = _Vocab({"<|im_start|>": 1, "<|im_end|>": 3, "x": 2}, ["<|im_start|>"])
     assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
     assert tokenizer_fingerprint(a) != tokenizer_fingerprint(c)
+
+
+def test_system_message_without_a_chat_template_is_refused(tiny_model, tokenizer):
+    """A base model (Gemma 3 270M) or --raw has no place for a system message: say so, never drop it."""
+    import copy
+
+    with pytest.raises(DiffspecError, match="system message needs the chat template.*raw"):
+        Target(tiny_model, tokenizer).encode_prompt("hi", chat=False, system="be brief")
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(DiffspecError, match="has no chat template"):
+        Target(tiny_model, bare, name="base").encode_prompt("hi", system="be brief")
+    assert Target(tiny_model, bare).encode_prompt("w1 w2") == bare("w1 w2")["input_ids"]  # no template: raw

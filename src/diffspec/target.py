@@ -162,6 +162,9 @@ class Target:
         if not isinstance(prompt, str) or not prompt.strip():
             raise DiffspecError("prompt is empty")
         tok = self._need_tokenizer()
+        if system and not (chat and getattr(tok, "chat_template", None)):
+            why = "the prompt goes in raw" if not chat else f"model '{self.name}' has no chat template"
+            raise DiffspecError(f"a system message needs the chat template, but {why}")
         if chat and getattr(tok, "chat_template", None):
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": prompt}]
