@@ -1,13 +1,14 @@
-"""Diffusion drafters: greedy equivalence for every kind x policy, masks, cache reuse, unmasking rules."""
+"""Diffusion drafters: greedy equivalence for every kind x policy, acceptance where it must happen, masks,
+cache reuse, unmasking rules."""
 
 import pytest
 import torch
 
 from conftest import make_model, reference_greedy
-from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine
+from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
                                ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
-from diffspec.drafters.denoising import block_causal_mask, full_mask, left_to_right_steps, select_top, select_unmask
+from diffspec.drafters.denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, keeps_q, select_top, select_unmask
 from diffspec.policies import failfast_next_increment
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6], list(range(11, 31)), [30]]
@@ -72,15 +73,105 @@ def test_target_as_its_own_block_drafter_accepts_everything(target, tiny_model, 
     """With block size 1 the block-causal mask is the causal mask: a block drafter whose body is the
     target (plus a mask row) drafts exactly the target's tokens, so every draft must be accepted."""
     v = len(tokenizer)
-    body = make_model(v + 1, seed=9)
-    with torch.no_grad():
-        own = dict(body.named_parameters())
-        for name, p in tiny_model.named_parameters():
-            own[name][: p.shape[0]].copy_(p)
-    drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=v, block_size=1, sub_block_size=1))
+    drafter = BlockDiffusionDrafter(with_mask_row(tiny_model, v),
+                                    BlockDiffusionConfig(mask_token_id=v, block_size=1, sub_block_size=1))
     r = SpeculativeEngine(target, drafter, FixedPolicy(6)).generate(PROMPTS[1], max_new_tokens=40, stop_token_ids=[])
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 40, stop_ids=())
     assert r.accepted_tokens == r.drafted_tokens > 0
+
+
+def with_mask_row(model, vocab_size, seed=9, layers=2):
+    """A diffusion body computing what `model` computes, plus a mask token (id = vocab_size) whose
+    embedding and head row are zero."""
+    body = make_model(vocab_size + 1, seed=seed, layers=layers)
+    with torch.no_grad():
+        own = dict(body.named_parameters())
+        for name, p in model.named_parameters():
+            own[name][: p.shape[0]].copy_(p)
+        body.model.embed_tokens.weight[vocab_size].zero_()
+        body.lm_head.weight[vocab_size].zero_()
+    return body
+
+
+@pytest.fixture(scope="module")
+def attentionless(tokenizer):
+    """A target without attention (every o_proj zero): its next token is a fixed function f of the
+    current token. A diffusion body computing the same f sees the mask token (zero embedding) as an
+    all-zero hidden state, so a row fed a mask has uniform logits (confidence 1/V, below every row fed
+    a real token). With shifted logits the only masked position predicted from a real token is the
+    leftmost one, so each denoising step unmasks exactly the leftmost mask, with f of its left
+    neighbour: the draft is the target's own greedy chain, whatever the block or window layout."""
+    v = len(tokenizer)
+    model = make_model(v, seed=7, layers=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight"):
+                p.zero_()
+    return model, with_mask_row(model, v, layers=1)
+
+
+ACCEPTING = {
+    # block 8 with sub-blocks of 4 and the default 0.05 threshold (> 1/V: a uniform row never passes)
+    "block": lambda body, v: BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=v, block_size=8,
+                                                                              sub_block_size=4)),
+    # T >= every window: one mask unmasked per step
+    "masked": lambda body, v: MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=v, steps=16)),
+}
+
+
+@pytest.mark.parametrize("policy", ["fixed4", "fixed13", "failfast-extend"])
+@pytest.mark.parametrize("kind", list(ACCEPTING))
+def test_drafter_that_knows_the_target_gets_every_token_accepted(attentionless, tokenizer, kind, policy):
+    """Acceptance, not just drafting: a shifted diffusion drafter computing the target's own next-token
+    function must have every drafted token accepted, across block boundaries (fixed13 > block 8)
+    and widening FailFast windows, and the output must still be plain greedy."""
+    model, body = attentionless
+    v = len(tokenizer)
+    engine = SpeculativeEngine(Target(model, tokenizer), ACCEPTING[kind](body, v), POLICIES[policy]())
+    for prompt in PROMPTS[:2]:
+        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+        assert r.token_ids == reference_greedy(model, prompt, 30, stop_ids=()), (kind, policy, prompt)
+        assert r.accepted_tokens == r.drafted_tokens >= 20, (kind, policy, [(x.drafted, x.accepted) for x in r.rounds])
+
+
+def test_masked_drafter_unmasking_several_per_step_still_gets_its_first_token_accepted(attentionless, tokenizer):
+    """With T=2 a step unmasks several masks at once, most of them fed by masks (wrong); only the
+    leftmost, predicted from the last real token, must be right: every round accepts at least one."""
+    model, body = attentionless
+    v = len(tokenizer)
+    engine = SpeculativeEngine(Target(model, tokenizer),
+                               MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=v, steps=2)),
+                               FixedPolicy(6))
+    r = engine.generate(PROMPTS[0], max_new_tokens=30, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(model, PROMPTS[0], 30, stop_ids=())
+    assert 0 not in r.token_ids  # a mask-fed row's argmax (uniform logits: token 0) is always a wrong guess here
+    drafting = [x for x in r.rounds if x.drafted]
+    assert drafting and all(x.accepted >= 1 for x in drafting), [(x.drafted, x.accepted) for x in r.rounds]
+    assert r.accepted_tokens < r.drafted_tokens  # the wrong guesses are really there, and rejected
+
+
+def test_one_layer_target_as_block_drafter_is_accepted_at_every_block_boundary(other_model, tokenizer):
+    """Real attention, block 4 > 1. For a one-layer model the keys of cached positions depend on their
+    tokens alone, and the last position of a committed block sees, block-causally, exactly the
+    positions up to itself: its logits (the shifted prediction of the next block's first token) are
+    the target's own next-token logits. So in every round whose context ends on a block boundary the
+    first drafted token must be accepted. (Inside a block the query also sees the masks after it:
+    there nothing is guaranteed, and nothing is asserted.)"""
+    v, B = len(tokenizer), 4
+    drafter = BlockDiffusionDrafter(with_mask_row(other_model, v, layers=1),
+                                    BlockDiffusionConfig(mask_token_id=v, block_size=B, sub_block_size=2))
+    engine = SpeculativeEngine(Target(other_model, tokenizer), drafter, FixedPolicy(5))
+    boundary_rounds = 0
+    for prompt in (PROMPTS[0][:8], PROMPTS[1]):  # lengths 8 and 20: the first round starts on a boundary
+        r = engine.generate(prompt, max_new_tokens=30, stop_token_ids=[])
+        assert r.token_ids == reference_greedy(other_model, prompt, 30, stop_ids=())
+        context = len(prompt)
+        for x in r.rounds:
+            if context % B == 0 and x.drafted:
+                assert x.accepted >= 1, (context, [(y.drafted, y.accepted) for y in r.rounds])
+                boundary_rounds += 1
+            context += x.emitted
+    assert boundary_rounds >= 2
 
 
 def test_block_causal_mask_edges():
@@ -130,10 +221,25 @@ def test_sub_block_unmask_rule():
     assert select_top(torch.tensor([0.2]), 5).tolist() == [0]
 
 
-def test_left_to_right_steps():
-    assert left_to_right_steps([1, 1, 2, 2, 3])
-    assert left_to_right_steps([])
-    assert not left_to_right_steps([1, 2, 1])
+def test_keeps_q_per_position():
+    """A position keeps its q iff no position to its left was unmasked at a later step."""
+    assert keeps_q([1, 1, 2, 2, 3]) == [True] * 5
+    assert keeps_q([]) == []
+    assert keeps_q([1, 3, 2]) == [True, True, False]          # issue 15's worked case: d_0 keeps its q
+    assert keeps_q([2, 1, 3, 2, 4]) == [True, False, True, False, True]
+
+
+def test_out_of_order_positions_are_judged_one_hot():
+    import torch
+
+    from diffspec.types import Draft
+
+    q = torch.full((3, 4), 0.25, dtype=torch.float64)
+    draft = Draft(torch.tensor([1, 2, 3]), q, torch.ones(3), 2)
+    judged = judge_out_of_order_one_hot(draft, [1, 3, 2])
+    assert torch.equal(judged.probs[:2], q[:2]) and judged.probs[2].tolist() == [0, 0, 0, 1.0]
+    assert judge_out_of_order_one_hot(draft, [1, 2, 3]) is draft
+    assert torch.equal(q, torch.full((3, 4), 0.25, dtype=torch.float64))  # the drafter's rows are not modified
 
 
 class RecordingPolicy(FailFastPolicy):
@@ -185,6 +291,9 @@ def test_conditioned_drafter_sees_exactly_the_accepted_positions(target, tokeniz
 
 
 def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
+    """One step per sub-block, left to right: every token keeps its q. Multi-step unmasking out of order:
+    the first token keeps its q, and a token unmasked before one on its left is judged with one-hot q
+    (per position, denoising.keeps_q)."""
     v = len(tokenizer)
     ctx = torch.tensor(PROMPTS[1])
     sp = SamplingParams(temperature=1.0, seed=0)
@@ -196,7 +305,9 @@ def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
                                                                unmask_threshold=0.99))
     multi.attach(target)
     d = multi.propose(ctx, FixedPolicy(8), 100, sp, torch.Generator().manual_seed(0))
-    assert d.probs is None and len(d) == 8 and d.forward_passes >= 2
+    assert d.probs is not None and len(d) == 8 and d.forward_passes >= 2
+    one_hot = [bool(d.probs[i, d.tokens[i]] == 1.0) for i in range(len(d))]
+    assert not one_hot[0] and any(one_hot), one_hot
 
 
 # --- what the conditioned drafter computes in (compute_dtype) ------------------------------------

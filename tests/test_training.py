@@ -1,4 +1,5 @@
-"""train-drafter on a tiny target and a tiny corpus: the loss falls, the drafter reloads, resume resumes."""
+"""train-drafter on a tiny target and a tiny corpus: the loss falls, held-out acceptance rises where the
+answers are learnable, the drafter reloads, resume resumes."""
 
 import json
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import reference_greedy
+from conftest import make_model, make_tokenizer, reference_greedy
 from diffspec import FixedPolicy, SpeculativeEngine, Target
 from diffspec.checkpoint import load_drafter
 from diffspec.training.data import drop_evaluation_overlap, iter_json_array, load_corpus
@@ -26,10 +27,32 @@ def corpus(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def memorisable_target_dir(tmp_path_factory):
+    """A target whose answers a drafter can learn from a few hundred tokens: no attention (every o_proj
+    zero), so its next token is a fixed function f of the current token and an answer is the chain
+    f(x), f(f(x)), ... from the prompt's last word. Saved without a chat template, so prompts end in
+    their own last word (with the template every prompt ends in 'assistant' and every answer would
+    be the same one, dropped as a repeat)."""
+    path = tmp_path_factory.mktemp("memorisable-target")
+    tok = make_tokenizer()
+    tok.chat_template = None
+    model = make_model(len(tok), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight"):
+                p.zero_()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def request(tmp, model_dir, corpus, **kw):
+    # float32 unless a test asks otherwise: "auto" times a 512x576x8192 matmul in fp32 and bf16 (seconds on
+    # an AVX2 CPU) on every call; the choice itself is tested in test_auto_train_dtype_is_measured_not_assumed
     base = dict(out=str(tmp), target=str(model_dir), corpus=str(corpus), generate=12, corpus_sequences=12,
                 response_tokens=16, seq_len=64, block_size=4, anchors=8, sequences_per_step=2, lr=3e-3,
-                quiet=True, checkpoint_every_s=0.0)
+                quiet=True, checkpoint_every_s=0.0, train_dtype="float32")
     base.update(kw)
     return TrainRequest(**base)
 
@@ -46,7 +69,6 @@ def test_training_lowers_the_loss_and_writes_everything(tmp_path, tiny_model_dir
     for name in ("drafter/config.json", "drafter/model.safetensors", "loss.png", "training.json", "checkpoint.pt"):
         assert (tmp_path / name).is_file(), name
     assert record["data"]["generated_sequences"] > 0
-    assert record["held_out_mean_accepted_length_after"] >= 1.0
 
 
 def test_saved_drafter_reloads_identically_and_stays_lossless(tmp_path, tiny_model_dir, corpus):
@@ -96,6 +118,17 @@ def test_bad_requests_are_named(tmp_path, tiny_model_dir, corpus):
         train_drafter(request(tmp_path, tiny_model_dir, corpus))
     with pytest.raises(DiffspecError, match="corpus not found"):
         train_drafter(request(tmp_path, tiny_model_dir, tmp_path / "nope.jsonl", steps=1))
+    for budget in ({"steps": 0}, {"max_time": 0.0}, {"max_tokens": -5}):  # steps=0 used to loop forever
+        with pytest.raises(DiffspecError, match="must be positive"):
+            train_drafter(request(tmp_path, tiny_model_dir, corpus, **budget))
+
+
+def test_default_target_layers_exist_for_any_depth():
+    from diffspec.drafters.conditioned import default_target_layers
+
+    assert default_target_layers(30) == [1, 14, 27]
+    for depth in (1, 2, 3, 4):  # a one-layer target used to get layer 1, which it lacks
+        assert all(0 <= i < depth for i in default_target_layers(depth))
 
 
 def test_reduced_draft_vocabulary_drafts_only_its_tokens(tmp_path, tiny_model_dir, corpus):
@@ -122,8 +155,7 @@ def test_reduced_draft_vocabulary_drafts_only_its_tokens(tmp_path, tiny_model_di
 
 
 def test_block_kind_trains_and_reloads_losslessly(tmp_path, tiny_model_dir, corpus):
-    record = train_drafter(request(tmp_path, tiny_model_dir, corpus, kind="block", steps=40, layers=1,
-                                   sequences_per_step=2))
+    train_drafter(request(tmp_path, tiny_model_dir, corpus, kind="block", steps=40, layers=1, sequences_per_step=2))
     log = [json.loads(l) for l in open(tmp_path / "train_log.jsonl")]
     first = sum(r["loss"] for r in log[:8]) / 8
     last = sum(r["loss"] for r in log[-8:]) / 8
@@ -136,7 +168,19 @@ def test_block_kind_trains_and_reloads_losslessly(tmp_path, tiny_model_dir, corp
     r = SpeculativeEngine(target, load_drafter(tmp_path / "drafter"), FixedPolicy(5)).generate(
         [5, 6, 7, 8, 9], max_new_tokens=20, stop_token_ids=[])
     assert r.token_ids == reference_greedy(model, [5, 6, 7, 8, 9], 20, stop_ids=())
-    assert record["held_out_mean_accepted_length_after"] >= 1.0
+
+
+@pytest.mark.parametrize("kind, steps", [("conditioned", 150), ("block", 30)])
+def test_training_raises_held_out_acceptance_on_a_memorisable_target(tmp_path, memorisable_target_dir, corpus,
+                                                                     kind, steps):
+    """The held-out figure is a mean accepted length (bonus counted: 1.0 = nothing accepted, block 4 allows
+    up to 4.0). On answers it can learn, a trained drafter must beat its untrained self by a clear margin
+    (measured: conditioned 1.00 -> 2.89, block 1.12 -> 2.75; with lr 0 both stay where they start)."""
+    record = train_drafter(request(tmp_path, memorisable_target_dir, corpus, kind=kind, steps=steps, generate=40,
+                                   lr=1e-2, layers=2 if kind == "conditioned" else 1))
+    before, after = record["held_out_mean_accepted_length_before"], record["held_out_mean_accepted_length_after"]
+    assert record["data"]["generated_sequences"] >= 8 and before is not None  # there is a held-out split
+    assert after >= before + 1.0, (before, after)
 
 
 def test_two_copy_mask_matches_the_drafting_layout():

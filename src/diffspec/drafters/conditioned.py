@@ -38,7 +38,8 @@ def default_target_layers(num_target_layers: int, count: int = 3) -> list:
     """`count` layers evenly spaced from layer 1 to layer L-3 (for L=30, 3 -> [1, 14, 27])."""
     if count == 1:
         return [num_target_layers // 2]
-    lo, hi = 1, max(1, num_target_layers - 3)
+    lo = min(1, num_target_layers - 1)  # a one-layer target has only layer 0
+    hi = max(lo, num_target_layers - 3)
     return [round(lo + i * (hi - lo) / (count - 1)) for i in range(count)]
 
 

@@ -103,8 +103,3 @@ def judge_out_of_order_one_hot(draft: Draft, steps: Sequence[int]) -> Draft:
             probs[i].zero_()
             probs[i, draft.tokens[i]] = 1.0
     return Draft(draft.tokens, probs, draft.confidences, draft.forward_passes)
-
-
-def left_to_right_steps(steps: Sequence[int]) -> bool:
-    """True when every position keeps its q (`keeps_q` all True)."""
-    return all(keeps_q(steps))

@@ -76,6 +76,9 @@ def _validate(req: TrainRequest) -> None:
         raise DiffspecError(f"unknown objective '{req.objective}' (choose from: target, corpus)")
     if req.steps is None and req.max_time is None and req.max_tokens is None:
         raise DiffspecError("give a budget: --steps, --max-time or --max-tokens")
+    for flag, value in (("--steps", req.steps), ("--max-time", req.max_time), ("--max-tokens", req.max_tokens)):
+        if value is not None and not value > 0:  # 0 would never end: progress is measured against it
+            raise DiffspecError(f"{flag} must be positive, got {value!r}")
     if req.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
     if req.train_dtype not in ("auto", "float32", "bfloat16"):
