@@ -5,6 +5,8 @@ Models run in float64 so that a k-token verify pass and one-token decoding agree
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -48,8 +50,9 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32
 def one_thread(request):
     """Tiny models run on one thread: their matmuls are smaller than thread synchronisation costs, and
     on a busy 2-core machine two threads made a tiny forward ~10x slower (96 vs 12 ms). Tests marked
-    slow (real weights) keep torch's default."""
-    if request.node.get_closest_marker("slow"):
+    slow (real weights) keep torch's default, except under pytest-xdist (`-n 2`, the README's
+    command): there each worker has one core, and a second thread would only fight the other worker."""
+    if request.node.get_closest_marker("slow") and not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
     before = torch.get_num_threads()

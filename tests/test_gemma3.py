@@ -56,8 +56,9 @@ def test_greedy_past_the_sliding_window_equals_transformers_generate(gemma, long
                            pad_token_id=0)
     expected = gemma.model.generate(torch.tensor([long_prompt]), generation_config=cfg)[0, len(long_prompt):].tolist()
     assert len(long_prompt) + len(expected) > 512 + 8
-    # the true continuation with every 5th token wrong: long accepted runs and rejections past the window
-    scripted = ScriptedDrafter(long_prompt + [(t + 1) % gemma.vocab_size if i % 5 == 4 else t
+    # the true continuation with every 7th token wrong (a fixed-4 round covers 5 positions, so the wrong
+    # ones fall on drafted positions, not always on the bonus): accepted runs and rejections past the window
+    scripted = ScriptedDrafter(long_prompt + [(t + 1) % gemma.vocab_size if i % 7 == 3 else t
                                               for i, t in enumerate(expected)])
     configs = ((PromptLookupDrafter(), FailFastPolicy()), (scripted, FixedPolicy(4)),
                (random_conditioned(gemma), FixedPolicy(3)))
