@@ -347,3 +347,19 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, monkeypat
     assert make_plots(rows, summarize(rows), tmp_path, stderr=sys.stderr) == []
     assert "matplotlib is not installed: skipping plots" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_methods_table_says_what_a_block_limited_drafter_voids(target):
+    """The engine's notes (issue 15) reach the bench's Methods notes: a conditioned drafter with
+    block 16 drafts at most 15 tokens a round, so FailFast's N_max=60 and gamma 20 say so."""
+    import warnings
+
+    from diffspec.bench.methods import build_runner
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = expand_methods(["conditioned-failfast", "conditioned:gamma=20", "conditioned:gamma=8"])
+        notes = {s.name: build_runner(s, target)[1] for s in specs}
+    assert any("N_max=60 acts as 15" in n for n in notes["conditioned-failfast"])
+    assert any("gamma 20 drafts 15" in n for n in notes["conditioned:gamma=20"])
+    assert not any("drafts" in n or "acts as" in n for n in notes["conditioned:gamma=8"])
