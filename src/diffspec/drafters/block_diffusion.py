@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ..cache import common_prefix_length, earliest_length, new_cache, truncate_cache
+from ..cache import check_rollback, common_prefix_length, full_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
@@ -57,6 +57,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
 
     def __init__(self, model, config: BlockDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "block-diffusion", reuse_cache: bool = True):
+        check_rollback(model.config, name=f"block-diffusion drafter '{name}'")
         self.model = model.eval()
         self.config = config
         self.name = name
@@ -94,7 +95,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         return ms
 
     def begin(self, prompt_ids) -> None:
-        self._cache = new_cache(self.model.config)
+        self._cache = full_cache()  # its masks are its own (block-causal, no window), so every layer keeps all
         self._cached_ids: list = []       # tokens of the finished blocks in the cache
         self._boundary_logits = None      # logits at the last cached position (predicts the next block's first token)
         self._passes = 0
@@ -115,9 +116,6 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         self._boundary_logits = logits[-1]
 
     def _truncate(self, length: int) -> None:
-        if length < earliest_length(self._cache):  # a sliding-window body no longer holds that far back
-            self.begin(None)                        # recommit the context's blocks from scratch
-            return
         truncate_cache(self._cache, length)
         if length < len(self._cached_ids):
             del self._cached_ids[length:]

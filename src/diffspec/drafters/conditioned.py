@@ -312,7 +312,7 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         tokens = self.model.to_target_ids(drawn.tokens)
         builder = DraftBuilder()
         for k in builder.increments(policy, limit):
-            for i in range(len(builder), min(len(builder) + k, cfg.block_size - 1)):
+            for i in range(len(builder), min(len(builder) + k, self.max_tokens_per_round)):
                 builder.add(int(tokens[i]), float(conf[i]), None if q is None else q[i])
         return builder.build(1, context.device)
 

@@ -17,10 +17,11 @@ position i. Everything decided before the draw at step s_i (earlier steps' token
 step s_i unmasks, the rows q^(s_i)) is independent of that draw, so d_i ~ q^(s_i) given it.
 
 (Q) therefore holds for position i when every d_j, j < i, was unmasked at a step s_j <= s_i: then
-I_i (d_<i, their rows, their rules, the window sizes of the policy) is decided before or beside
-the draw of d_i. It fails when some j < i was unmasked later (s_j > s_i): d_j was drawn looking
-at d_i, and which positions later steps unmask depends on d_i, so I_i carries information about
-d_i. Hence the per-position rule
+I_i (d_<i, their rows, their rules, whether i is drafted) is decided before or beside
+the draw of d_i (the policy's later window sizes may depend on d_i, but whether i is drafted at
+all is fixed by the windows up to and including i's, all decided earlier). It fails when some
+j < i was unmasked later (s_j > s_i): d_j was drawn looking at d_i, and which positions later
+steps unmask depends on d_i, so I_i carries information about d_i. Hence the per-position rule
 
     position i keeps q_i  iff  max(s_0 .. s_{i-1}) <= s_i,   otherwise it is judged one-hot (H).
 
@@ -101,5 +102,5 @@ def judge_out_of_order_one_hot(draft: Draft, steps: Sequence[int]) -> Draft:
     for i, ok in enumerate(keep):
         if not ok:
             probs[i].zero_()
-            probs[i, draft.tokens[i]] = 1.0
+            probs[i, int(draft.tokens[i])] = 1.0
     return Draft(draft.tokens, probs, draft.confidences, draft.forward_passes)
