@@ -22,7 +22,7 @@ transformers 5.23 also changed `DynamicCache.crop` to take a non-positive count 
 from __future__ import annotations
 
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from .errors import DiffspecError
 
@@ -50,8 +50,6 @@ def new_cache(config) -> DynamicCache:
     check_rollback(config)
     cache = DynamicCache(config=config)
     for layer in cache.layers:
-        if not isinstance(layer, (DynamicLayer, DummyLayer)):
-            raise DiffspecError(f"cache layer {type(layer).__name__} cannot be rolled back by diffspec")
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.activate_past_recording()
     return cache
