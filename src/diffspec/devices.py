@@ -1,6 +1,11 @@
-"""Dtype names and device timing shared by the API, drafters and bench."""
+"""Dtype names, device timing and the host record shared by the API, drafters, bench and training."""
 
 from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -24,3 +29,36 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def host_info() -> dict:
+    """CPU model and flags, threads, library versions and the git commit of this checkout."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import transformers
+
+    here = Path(__file__).resolve().parent
+    commit = ""
+    try:
+        git = ["git", "-C", str(here)]
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if commit and subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip():
+            commit += "-dirty"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    commit = commit or os.environ.get("DIFFSPEC_COMMIT", "")  # a copy without .git (e.g. a GPU box) says it
+    return {"cpu": model, "cpu_flags": {f: f in flags for f in CPU_FLAGS}, "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "commit": commit or None}

@@ -1,3 +1,4 @@
+# Ran at commit 660e87e (issue 4); training/features.py was replaced by training/store.py + the online trainer in issue 16.
 """One-off: add teacher-forced ShareGPT conversations (target labels) to a cached data.pt."""
 import random, sys, time, torch
 from diffspec.target import Target

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -29,13 +26,13 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
+from ..devices import host_info as machine_info
 from ..errors import DiffspecError
 from ..types import SamplingParams
 from .methods import METHODS, build_runner, expand_methods
 from .prompts import load_bench_prompts
 
 DEFAULT_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -81,37 +78,6 @@ class BenchResult:
     @property
     def exit_code(self) -> int:
         return 1 if self.failures else 0
-
-
-def machine_info() -> dict:
-    """CPU model and flags, threads, library versions and the git commit of this checkout."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    import transformers
-
-    here = Path(__file__).resolve().parent
-    commit = ""
-    try:
-        git = ["git", "-C", str(here)]
-        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        if commit and subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                     text=True, timeout=10).stdout.strip():
-            commit += "-dirty"
-    except (OSError, subprocess.SubprocessError):
-        pass
-    commit = commit or os.environ.get("DIFFSPEC_COMMIT", "")  # a copy without .git (e.g. a GPU box) says it
-    return {"cpu": model, "cpu_flags": {f: f in flags for f in CPU_FLAGS}, "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "commit": commit or None}
 
 
 @contextlib.contextmanager

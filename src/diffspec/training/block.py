@@ -3,7 +3,7 @@
 The body is the target's own architecture with fewer layers, initialised from the target (token
 embeddings, LM head, evenly spaced layers, final norm) plus one extra embedding row: the mask.
 
-Objective, all blocks of a sequence in parallel: the input is [clean sequence ; noisy sequence].
+Objective, all blocks of all sequences of a batch in one pass: the input is [clean sequence ; noisy sequence].
 Clean tokens attend block-causally to clean tokens (what the drafter's cache of finished blocks
 holds at inference). Noisy block b attends to the clean blocks before b and to itself
 (bidirectionally). In each noisy block a random prefix stays visible (the context's partial block
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .features import SequenceFeatures
 
 
 def make_block_body(target_model, layers: int):
@@ -85,55 +84,43 @@ def two_copy_mask(T: int, block: int, device="cpu") -> torch.Tensor:
     return torch.cat([top, bottom], 0)[None, None]
 
 
-def block_diffusion_loss(model, seq: SequenceFeatures, block: int, mask_id: int, objective: str,
-                         rng: random.Random, max_len: int = 512) -> tuple:
-    """-> (mean CE over masked positions, number of supervised positions, slot-1 accuracy: the share of
-    blocks whose first masked position, with the rest of the block masked too (the token a draft
-    proposes first), has the label as its argmax)."""
-    T = min(seq.tokens.shape[0], max_len) // block * block
-    if T < block:
-        return None, 0, 0.0
-    x = seq.tokens[:T]
-    y, masked = noisy_copy(x, block, mask_id, rng)
-    ids = torch.cat([x, y])[None]
-    pos = torch.arange(T, device=x.device).repeat(2)[None]
-    hidden = model.model(input_ids=ids, attention_mask=two_copy_mask(T, block, x.device),
-                         position_ids=pos).last_hidden_state[0]
-    idx = masked.nonzero().flatten()
-    idx = idx[idx >= max(1, seq.first_supervised)]
-    if idx.numel() == 0:
-        return None, 0, 0.0
-    at_block_start = idx % block == 0
-    source = torch.where(at_block_start, idx - 1, T + idx - 1)        # shifted: row i-1 predicts token i
-    labels = seq.target_next[idx - 1] if objective == "target" else x[idx]
-    logits = model.lm_head(hidden[source])
-    blocks = idx // block                                              # idx is sorted: a block's first row comes first
-    first = torch.cat([blocks.new_ones(1, dtype=torch.bool), blocks[1:] != blocks[:-1]])
-    # ... counted where the rest of its block is masked too (what a draft faces: all of it unknown)
-    tail_masked = masked.view(-1, block).flip(1).long().cumprod(1).flip(1).flatten().bool()
-    first &= tail_masked[idx]
-    slot1_acc = float((logits[first].argmax(-1) == labels[first]).float().mean()) if first.any() else 0.0
-    return F.cross_entropy(logits.float(), labels), int(idx.numel()), slot1_acc
+class BlockDiffusionLoss(nn.Module):
+    """The block drafter's training forward over a batch (a module, so DistributedDataParallel can wrap
+    it): [clean ; noisy] copies of every sequence through the body with the two-copy mask, CE at every
+    masked response position. -> (sum of CE, number of supervised positions, slots, slot-1 correct,
+    slot-1 count): slot 1 is a block's first masked position with the rest of its block masked too
+    (the token a draft proposes first)."""
+
+    def __init__(self, body, block_size: int, objective: str = "target"):
+        super().__init__()
+        self.body, self.block_size, self.objective = body, block_size, objective
+
+    def forward(self, clean: torch.Tensor, noisy: torch.Tensor, masked: torch.Tensor, lengths: torch.Tensor,
+                first_supervised: torch.Tensor, target_next: torch.Tensor) -> tuple:
+        N, T = clean.shape
+        B, dev = self.block_size, clean.device
+        ids = torch.cat([clean, noisy], 1)
+        pos = torch.arange(T, device=dev).repeat(2)[None].expand(N, -1)
+        mask = two_copy_mask(T, B, dev).expand(N, -1, -1, -1)
+        hidden = self.body.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        idx = torch.arange(T, device=dev)[None].expand(N, -1)
+        sup = masked & (idx >= first_supervised.clamp(min=1)[:, None]) & (idx < lengths[:, None])
+        rows, cols = sup.nonzero(as_tuple=True)
+        source = torch.where(cols % B == 0, cols - 1, T + cols - 1)        # shifted: row i-1 predicts token i
+        labels = target_next[rows, cols - 1] if self.objective == "target" else clean[rows, cols]
+        logits = self.body.lm_head(hidden[rows, source])
+        ce = F.cross_entropy(logits.float(), labels, reduction="sum")
+        # slot 1: the first masked position of its block, the rest of the block masked as well
+        tail_masked = masked.view(N, -1, B).flip(2).long().cumprod(2).flip(2).view(N, T).bool()
+        first_supervised = sup & (sup.view(N, -1, B).long().cumsum(2).view(N, T) == 1)
+        first = (first_supervised & tail_masked)[rows, cols]
+        correct = (logits.argmax(-1) == labels) & first
+        n = sup.sum()
+        return ce, n.to(ce.dtype), n, correct.sum(), first.sum()
 
 
-@torch.no_grad()
-def block_held_out_acceptance(drafter, sequences: Sequence[SequenceFeatures], anchors_per_sequence: int = 8,
-                              seed: int = 0) -> float:
-    """Mean accepted length (bonus counted) of real drafts (one block, greedy) on held-out sequences."""
-    from ..policies import FixedPolicy
-    from ..types import SamplingParams
-
-    rng = random.Random(seed)
-    B = drafter.config.block_size
-    total, count = 0.0, 0
-    for seq in sequences:
-        T = seq.tokens.shape[0]
-        cand = list(range(max(1, seq.first_supervised), T - B))
-        for a in sorted(rng.sample(cand, min(anchors_per_sequence, len(cand)))):
-            drafter.begin(None)
-            d = drafter.propose(seq.tokens[: a + 1], FixedPolicy(B - 1), B - 1, SamplingParams(), None)
-            truth = seq.target_next[a: a + len(d)].cpu()
-            lead = int(torch.cumprod((d.tokens.cpu() == truth).long(), 0).sum()) if len(d) else 0
-            total += lead + 1
-            count += 1
-    return total / max(1, count)
+def noise_batch(clean: torch.Tensor, block: int, mask_id: int, seeds) -> tuple:
+    """Noisy copies of clean [N, T] (T a multiple of block), one seeded random.Random per row, so a row's
+    noise depends only on its seed (data-parallel ranks draw what one process draws). -> (noisy, masked)."""
+    rows = [noisy_copy(clean[n], block, mask_id, random.Random(int(s))) for n, s in enumerate(seeds)]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])

@@ -8,6 +8,7 @@ benchmark never scores a drafter on what it was trained on.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -119,7 +120,8 @@ def _key(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()[:64]
 
 
-def evaluation_prompts() -> list:
+@functools.lru_cache(maxsize=1)
+def _evaluation_prompts() -> tuple:
     """Prompts of the benchmark sets that are installed (HumanEval, MT-Bench first turns, CHAMP)."""
     from ..datasets import SETS, load_prompts
 
@@ -130,7 +132,12 @@ def evaluation_prompts() -> list:
             texts.extend(p.split("\n\n", 1)[-1] for _, p in load_prompts(name) if name == "humaneval")
         except DiffspecError:  # not installed: it cannot leak into training either
             continue
-    return texts
+    return tuple(texts)
+
+
+def evaluation_prompts() -> list:
+    """Prompts of the benchmark sets that are installed (HumanEval, MT-Bench first turns, CHAMP); read once."""
+    return list(_evaluation_prompts())
 
 
 def drop_evaluation_overlap(convs: list, eval_prompts: list) -> tuple:

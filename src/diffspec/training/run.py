@@ -1,19 +1,23 @@
-"""`diffspec train-drafter`: target + corpus -> an aligned drafter folder.
+"""`diffspec train-drafter`: a target + the target's own answers -> an aligned drafter folder.
 
-Steps (each resumable: the data cache and the checkpoint live in the output folder):
-  1. corpus -> conversations, minus anything that overlaps the evaluation prompt sets;
-  2. the target answers `--generate` of the prompts itself (alignment data), within a share of
-     the time budget; more conversations are rendered as teacher-forced text;
-  3. one target pass per sequence caches hidden states and the target's own next tokens;
-  4. train until --steps, --max-time or --max-tokens (supervised slots), checkpointing every
-     `checkpoint_every_s`; a killed run restarts from the checkpoint with --resume;
-  5. held-out acceptance before/after, the drafter folder, train_log.jsonl, loss.png, training.json.
+Steps (data, training and evaluation are separate; one format between them, the token store):
+  1. data: `--data STORE` (written by `diffspec make-data`), or a store built here in OUT/data within
+     a share of --max-time; a random sample of its sequences is held out;
+  2. training, counted in epochs over the store (--steps, --max-tokens, --max-time stop it earlier):
+     each step takes a global batch of sequences, runs the frozen target over them (hidden states of
+     the chosen layers and its own next-token labels; `--feature-cache` keeps them in memory for the
+     next epochs), and puts every anchor of every sequence through ONE drafter forward/backward
+     (training/anchored.py; the block kind: training/block.py). Under torchrun every rank takes its
+     share of the global batch and DDP averages the gradients (training/distributed.py). A
+     checkpoint every `checkpoint_every_s`; --resume continues at the same step;
+  3. the drafter folder, train_log.jsonl, loss.png, and the health check (evaluation.py) on the
+     held-out sequences and on the three evaluation sets, written into training.json.
 """
 
 from __future__ import annotations
 
 import json
-import random
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -21,16 +25,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..checkpoint import save_drafter
+from ..drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
 from ..drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from ..errors import DiffspecError
-from .conditioned import (ConditionedTrainConfig, block_loss, choose_draft_vocab, held_out_acceptance,
-                          init_from_target, lr_at, sample_step)
-from .data import drop_evaluation_overlap, evaluation_prompts, load_corpus
-from ..drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
-from .block import block_diffusion_loss, block_held_out_acceptance, make_block_body
-from .features import SequenceFeatures, extract_features, generate_responses, render_conversation, render_prompt
+from .anchored import AnchoredLoss
+from .batches import PaddedBatch, epoch_batches, pad_batch, rank_share, sample_anchors, target_features
+from .block import BlockDiffusionLoss, make_block_body, noise_batch
+from .conditioned import choose_draft_vocab, init_from_target, lr_at
+from .distributed import World, all_max, all_sum, barrier, join_world, leave_world, wrap
 
 
 @dataclass(frozen=True)
@@ -38,88 +43,79 @@ class TrainRequest:
     out: str
     target: Optional[str] = None
     kind: str = "conditioned"
-    corpus: str = "sharegpt"
-    generate: int = 800             # prompts the target answers itself (alignment data)
-    corpus_sequences: int = 1500    # conversations used as teacher-forced text
-    response_tokens: int = 160      # max new tokens per generated answer
-    seq_len: int = 384              # max tokens per training sequence
-    data_time_share: float = 0.4    # at most this share of --max-time goes to generating answers
+    data: Optional[str] = None          # a token store (diffspec make-data); None: build one in OUT/data
+    corpus: str = "sharegpt"            # what the store is built from when --data is not given
+    max_prompts: Optional[int] = None   # prompts the target answers when building the store (None: all)
+    response_tokens: int = 256          # max new tokens per answer when building the store
+    data_time_share: float = 0.4        # at most this share of --max-time goes to building the store
+    data_fraction: float = 1.0          # train on this share of the store (nested: a smaller share is a subset)
+    seq_len: int = 1024                 # max tokens per training sequence
+    epochs: float = 3.0
     max_time: Optional[float] = None    # seconds for the whole command
     max_tokens: Optional[int] = None    # supervised slots
     steps: Optional[int] = None
-    block_size: int = 8
+    block_size: int = 16
     layers: int = 2
-    anchors: int = 32
-    sequences_per_step: int = 2
+    anchors: int = 512                  # anchors per sequence per step (at most)
+    batch_sequences: int = 8            # sequences per optimizer step (the global batch)
     lr: float = 6e-4
+    warmup: float = 0.04
+    slot_decay: float = 7.0             # slot weights exp(-(k-1)/slot_decay)
+    grad_clip: float = 1.0
+    weight_decay: float = 0.01
     objective: str = "target"
     seed: int = 0
     device: str = "cpu"
-    train_dtype: str = "auto"       # matmul precision of training steps: auto (measured) | float32 | bfloat16
+    train_dtype: str = "auto"           # matmul precision of training steps: auto (measured) | float32 | bfloat16
+    feature_cache: bool = False         # keep the target's features of each sequence after its first use
     resume: bool = False
     checkpoint_every_s: float = 60.0
     mask_token_id: Optional[int] = None
-    draft_vocab: int = 8192         # 0 = the full vocabulary
+    draft_vocab: int = 8192             # 0 = the full vocabulary
     init_from_target: bool = True
+    held_out: int = 64                  # store sequences held out (at most; ~5% of a small store)
+    eval_prompts: int = 10              # health check: prompts per evaluation set (0: skip)
+    eval_tokens: int = 128              # health check: tokens the target answers per prompt
+    eval_anchors: Optional[int] = 32    # health check: evenly spaced anchors per answer (None: every position)
     quiet: bool = False
 
 
-def _say(req: TrainRequest, msg: str) -> None:
-    if not req.quiet:
+def _say(req: TrainRequest, msg: str, world: World = World()) -> None:
+    if not req.quiet and world.main:
         print(f"diffspec train-drafter: {msg}", file=sys.stderr, flush=True)
 
 
-def _validate(req: TrainRequest) -> None:
+def validate(req: TrainRequest) -> None:
+    """Every parameter checked before anything slow (a model load, a data build) starts."""
     if req.kind not in ("conditioned", "block"):
         raise DiffspecError(f"unknown drafter kind '{req.kind}' (choose from: block, conditioned)")
     if req.objective not in ("target", "corpus"):
         raise DiffspecError(f"unknown objective '{req.objective}' (choose from: target, corpus)")
-    if req.steps is None and req.max_time is None and req.max_tokens is None:
-        raise DiffspecError("give a budget: --steps, --max-time or --max-tokens")
-    for flag, value in (("--steps", req.steps), ("--max-time", req.max_time), ("--max-tokens", req.max_tokens)):
+    for flag, value in (("--steps", req.steps), ("--max-time", req.max_time), ("--max-tokens", req.max_tokens),
+                        ("--epochs", req.epochs)):
         if value is not None and not value > 0:  # 0 would never end: progress is measured against it
             raise DiffspecError(f"{flag} must be positive, got {value!r}")
     if req.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
     if req.train_dtype not in ("auto", "float32", "bfloat16"):
         raise DiffspecError(f"unknown --train-dtype '{req.train_dtype}' (choose from: auto, float32, bfloat16)")
-    if req.block_size < 2 or req.layers < 1 or req.anchors < 1:
-        raise DiffspecError("need --block-size >= 2, --layers >= 1, --anchors >= 1")
-
-
-def build_data(req: TrainRequest, target, layer_ids, deadline: Optional[float]) -> dict:
-    """Conversations -> generated + teacher-forced sequences -> cached target features."""
-    tok = target.tokenizer
-    convs = load_corpus(req.corpus)
-    convs, dropped = drop_evaluation_overlap(convs, evaluation_prompts())
-    random.Random(req.seed).shuffle(convs)
-    _say(req, f"corpus: {len(convs)} conversations ({dropped} dropped for overlapping evaluation prompts)")
-    prompts = [p for p in (render_prompt(tok, c, req.seq_len // 2) for c in convs[: req.generate]) if p]
-    t0 = time.time()
-    gen_deadline = None if deadline is None else t0 + req.data_time_share * (deadline - t0)
-    on_cpu = req.device == "cpu"  # a GPU takes far wider batches at about the same step time
-    generated = generate_responses(target.model, tok, prompts, req.response_tokens, batch_size=16 if on_cpu else 256,
-                                   stop_ids=sorted(target.stop_token_ids), deadline=gen_deadline,
-                                   progress=lambda i, n: _say(req, f"target answers {i}/{n}") if i % 64 == 0 else None)
-    generated, repeats = drop_repeated_answers(generated)
-    if repeats:
-        _say(req, f"dropped {repeats} repeated target answers (a repeat in train and held-out would inflate the held-out figure)")
-    gen_tokens = sum(len(s) - p for s, p in generated)
-    _say(req, f"target generated {len(generated)} answers ({gen_tokens} tokens) in {time.time() - t0:.0f} s")
-    teacher = [render_conversation(tok, c, req.seq_len) for c in convs[req.generate: req.generate + req.corpus_sequences]]
-    teacher = [(ids, start) for ids, start in teacher if len(ids) - start > 8]
-    held = max(2, len(generated) // 20) if len(generated) >= 8 else 0
-    t1 = time.time()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    feats = extract_features(target.model, generated + teacher, layer_ids, batch_size=8 if on_cpu else 64, pad_id=pad)
-    aligned, other = feats[: len(generated)], feats[len(generated):]
-    random.Random(req.seed).shuffle(aligned)  # hold out a random sample of the target's own answers
-    _say(req, f"target features for {len(feats)} sequences in {time.time() - t1:.0f} s")
-    return {"train": aligned[held:] + other, "held_out": aligned[:held],
-            "stats": {"generated_sequences": len(generated), "generated_tokens": gen_tokens,
-                      "teacher_forced_sequences": len(teacher),
-                      "teacher_forced_tokens": sum(len(i) - s for i, s in teacher),
-                      "evaluation_overlap_dropped": dropped, "corpus": req.corpus}}
+    if req.block_size < 2 or req.layers < 1 or req.anchors < 1 or req.batch_sequences < 1:
+        raise DiffspecError("need --block-size >= 2, --layers >= 1, --anchors >= 1, --batch-sequences >= 1")
+    if req.seq_len < req.block_size + 1:
+        raise DiffspecError(f"--seq-len {req.seq_len} leaves no room for a block of {req.block_size}")
+    if not req.slot_decay > 0 or not req.lr > 0 or not 0 <= req.warmup < 1:
+        raise DiffspecError("need --slot-decay > 0, --lr > 0 and 0 <= --warmup < 1")
+    if req.held_out < 0 or req.eval_prompts < 0 or req.eval_tokens < 2:
+        raise DiffspecError("need --held-out >= 0, --eval-prompts >= 0 and --eval-tokens >= 2")
+    if req.eval_anchors is not None and req.eval_anchors < 1:
+        raise DiffspecError(f"--eval-anchors must be positive, got {req.eval_anchors}")
+    if not 0 < req.data_fraction <= 1:
+        raise DiffspecError(f"--data-fraction must be in (0, 1], got {req.data_fraction}")
+    if req.data is not None:
+        from .store import read_store
+        read_store(req.data)  # reads the manifest only: a missing or foreign folder is named now, not after the model loads
+    elif req.max_prompts is not None and req.max_prompts < 1:
+        raise DiffspecError(f"--max-prompts must be positive, got {req.max_prompts}")
 
 
 def choose_train_dtype(requested: str, device: str, width: int = 576, vocab: int = 8192) -> tuple:
@@ -145,16 +141,124 @@ def choose_train_dtype(requested: str, device: str, width: int = 576, vocab: int
     return (torch.bfloat16 if bf16 * 1.25 < fp32 else torch.float32), why
 
 
-def drop_repeated_answers(generated: list) -> tuple:
-    """[(ids, prompt_len)] -> (first occurrence of each distinct answer, how many were dropped). Small
-    targets answer many different prompts with the same line ('Hello! How can I assist you today?')."""
-    seen, kept = set(), []
-    for ids, start in generated:
-        key = tuple(ids[start:])
-        if key not in seen:
-            seen.add(key)
-            kept.append((ids, start))
-    return kept, len(generated) - len(kept)
+def load_training_data(req: TrainRequest, target, world: World, deadline: Optional[float]) -> tuple:
+    """-> (train [(ids, prompt_len)], held-out [(ids, prompt_len)], the store's manifest)."""
+    from .data import load_corpus
+    from .store import build_store, read_store
+
+    path = Path(req.data) if req.data else Path(req.out) / "data"
+    if req.data is None and world.main:
+        t0 = time.time()
+        gen_deadline = None if deadline is None else t0 + req.data_time_share * (deadline - t0)
+        build_store(path, target, load_corpus(req.corpus), max_new_tokens=req.response_tokens,
+                    max_prompts=req.max_prompts, seed=req.seed, deadline=gen_deadline, progress=not req.quiet,
+                    corpus=req.corpus)
+    barrier(world)
+    store = read_store(path)
+    theirs = store.manifest.get("tokenizer_fingerprint")
+    if theirs and target.tokenizer_fingerprint and theirs != target.tokenizer_fingerprint:
+        raise DiffspecError(f"the token store {path} was made with another tokenizer ({theirs}) than the target's "
+                            f"({target.tokenizer_fingerprint}): its ids mean other tokens")
+    seqs = [(ids[: req.seq_len], p) for ids, p in store.sequences]
+    seqs = [(ids, p) for ids, p in seqs if ids.shape[0] - p >= 2]   # at least one supervised anchor
+    if not seqs:
+        raise DiffspecError(f"the token store {path} holds no answer to train on")
+    g = torch.Generator().manual_seed(req.seed)
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    held = min(req.held_out, max(2, len(seqs) // 20)) if len(seqs) >= 8 else 0
+    # held out first, then the share: every --data-fraction keeps the same held-out set, and a smaller
+    # share is a subset of a larger one (the scaling ladder compares like with like)
+    rest = order[held:]
+    train = [seqs[i] for i in rest[: max(1, round(req.data_fraction * len(rest)))]]
+    return train, [seqs[i] for i in order[:held]], store.manifest
+
+
+class ConditionedTrainer:
+    """Target-conditioned drafter: every anchor of the batch through one AnchoredLoss forward."""
+
+    def __init__(self, req: TrainRequest, target, train: list, device: str):
+        self.req, self.target, self.device = req, target, device
+        mask = req.mask_token_id if req.mask_token_id is not None else (target.tokenizer.pad_token_id or 0)
+        draft_vocab = req.draft_vocab if 0 < req.draft_vocab < target.vocab_size else 0
+        cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask, num_hidden_layers=req.layers,
+                                           block_size=req.block_size, draft_vocab=draft_vocab)
+        coverage = 1.0
+        if draft_vocab:
+            ids, coverage = choose_draft_vocab(train, draft_vocab, target.vocab_size, sorted(target.stop_token_ids))
+            cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
+        self.model = ConditionedDraftModel(cfg).to(device)
+        if draft_vocab:
+            self.model.draft_token_ids.copy_(ids)
+        copied = init_from_target(self.model, target.model) if req.init_from_target else 0
+        self.layer_ids = cfg.target_layer_ids
+        self.embed_weight = target.model.get_input_embeddings().weight.detach()
+        self.head_weight = target.model.get_output_embeddings().weight.detach()
+        self.loss_module = AnchoredLoss(self.model, req.objective, req.slot_decay)
+        self.cache: dict = {}
+        self.record = {"init_tensors_from_target": copied, "draft_vocab": cfg.draft_vocab,
+                       "draft_vocab_coverage": round(coverage, 4), "target_layer_ids": list(cfg.target_layer_ids)}
+
+    def features(self, batch: PaddedBatch) -> tuple:
+        """The target's features and labels for the batch: one target pass, or the feature cache."""
+        idx = batch.index.tolist()
+        if not (self.req.feature_cache and all(i in self.cache for i in idx)):
+            hidden, nxt = target_features(self.target.model, batch, self.layer_ids)
+            if not self.req.feature_cache:
+                return hidden, nxt
+            for row, i in enumerate(idx):
+                n = int(batch.lengths[row])
+                self.cache[i] = (hidden[row, :n].to(torch.float16).cpu(), nxt[row, :n].cpu())
+        L = batch.tokens.shape[1]
+        hidden = torch.zeros(len(idx), L, self.cache[idx[0]][0].shape[-1], dtype=torch.float16)
+        nxt = torch.zeros(len(idx), L, dtype=torch.long)
+        for row, i in enumerate(idx):
+            h, t = self.cache[i]
+            hidden[row, : h.shape[0]], nxt[row, : t.shape[0]] = h, t
+        return hidden.to(self.device), nxt.to(self.device)
+
+    def inputs(self, batch: PaddedBatch, epoch: int) -> tuple:
+        hidden, nxt = self.features(batch)
+        anchors, valid = sample_anchors(batch, self.req.anchors, self.req.seed, epoch)
+        return (batch.tokens, batch.lengths, hidden, nxt, anchors, valid, self.embed_weight, self.head_weight)
+
+    def drafter(self):
+        return ConditionedDrafter(self.model.float().eval(), self.target.tokenizer_fingerprint)
+
+
+class BlockTrainer:
+    """Standalone block-diffusion drafter: the two-copy masked objective over the whole batch at once."""
+
+    def __init__(self, req: TrainRequest, target, train: list, device: str):
+        self.req, self.target, self.device = req, target, device
+        self.model, self.mask_id = make_block_body(target.model, req.layers)
+        self.model.to(device).train()
+        self.loss_module = BlockDiffusionLoss(self.model, req.block_size, req.objective)
+        self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
+                       "layers": req.layers, "mask_token_id": self.mask_id}
+
+    def inputs(self, batch: PaddedBatch, epoch: int) -> tuple:
+        B = self.req.block_size
+        T = max(B, math.ceil(batch.tokens.shape[1] / B) * B)
+        clean = F.pad(batch.tokens, (0, T - batch.tokens.shape[1]), value=0)
+        with torch.no_grad():
+            _, nxt = target_features(self.target.model, batch, None)
+        nxt = F.pad(nxt, (0, T - nxt.shape[1]), value=0)
+        seeds = [(self.req.seed * 1_000_003 + epoch) * 2_000_029 + int(i) for i in batch.index]
+        noisy, masked = noise_batch(clean, B, self.mask_id, seeds)
+        masked &= torch.arange(T, device=clean.device)[None] < batch.lengths[:, None]
+        return (clean, noisy, masked, batch.lengths, batch.first_supervised, nxt)
+
+    def drafter(self):
+        return BlockDiffusionDrafter(self.model.float().eval(), BlockDiffusionConfig(
+            mask_token_id=self.mask_id, block_size=self.req.block_size,
+            sub_block_size=min(8, self.req.block_size)), self.target.tokenizer_fingerprint)
+
+
+def _parts(out) -> tuple:
+    """LossParts (conditioned) or the block loss's tuple -> (weighted CE, weight, slots, slot-1 correct, count)."""
+    if isinstance(out, tuple):
+        return out
+    return out.weighted_ce, out.weight, out.slots, out.slot1_correct, out.slot1_count
 
 
 def _save_plot(log: list, path: Path) -> None:
@@ -175,194 +279,166 @@ def _save_plot(log: list, path: Path) -> None:
 
 
 def train_drafter(req: TrainRequest) -> dict:
+    validate(req)
+    world = join_world(req.device)
+    try:
+        return _train(req, world)
+    finally:
+        leave_world(world)
+
+
+def _train(req: TrainRequest, world: World) -> dict:
     from ..target import Target
 
-    _validate(req)
-    machine = machine_info(req.device)  # read at the start: the code that trains is the code checked out now
+    machine = machine_info(world.device) if world.main else {}
     t_start = time.time()
     deadline = t_start + req.max_time if req.max_time else None
     out = Path(req.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(req.seed)
-    target = Target.load(req.target, device=req.device, quiet=req.quiet)
-    mask = req.mask_token_id if req.mask_token_id is not None else (target.tokenizer.pad_token_id or 0)
-    draft_vocab = req.draft_vocab if 0 < req.draft_vocab < target.vocab_size else 0
-    cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask, num_hidden_layers=req.layers,
-                                       block_size=req.block_size, draft_vocab=draft_vocab)
-    tcfg = ConditionedTrainConfig(anchors_per_sequence=req.anchors, sequences_per_step=req.sequences_per_step,
-                                  lr=req.lr, objective=req.objective)
-    data_file = out / "data.pt"
-    if data_file.is_file():
-        data = torch.load(data_file, weights_only=False)
-        data = {k: ([SequenceFeatures(**d) for d in v] if k in ("train", "held_out") else v) for k, v in data.items()}
-        _say(req, f"reusing cached target features in {data_file}")
-    else:
-        data = build_data(req, target, cfg.target_layer_ids, deadline)
-        torch.save({k: ([f.to_dict() for f in v] if k in ("train", "held_out") else v) for k, v in data.items()},
-                   data_file)
-    if not data["train"]:
-        raise DiffspecError("no training sequences: the corpus is too small or the budget too short")
-
+    target = Target.load(req.target, device=world.device, quiet=req.quiet or not world.main)
     for p in target.model.parameters():
         p.requires_grad_(False)
-    trainer = (ConditionedTrainer if req.kind == "conditioned" else BlockTrainer)(req, target, cfg, tcfg, data)
+    train, held, manifest = load_training_data(req, target, world, deadline)
+    _say(req, f"{len(train)} training sequences ({sum(int(i.shape[0]) - p for i, p in train)} response tokens), "
+              f"{len(held)} held out", world)
+    if req.batch_sequences < world.size:
+        raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world.size} processes")
+    trainer = (ConditionedTrainer if req.kind == "conditioned" else BlockTrainer)(req, target, train, world.device)
+    trainer.record.update(train_sequences=len(train), train_response_tokens=sum(int(i.shape[0]) - p for i, p in train),
+                          held_out_sequences=len(held))
     model = trainer.model
-    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
-    state = {"step": 0, "tokens": 0, "elapsed": 0.0, "log": []}
+    module = wrap(trainer.loss_module, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=req.lr, weight_decay=req.weight_decay, betas=(0.9, 0.95))
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "elapsed": 0.0, "log": []}
     ckpt = out / "checkpoint.pt"
     if req.resume and ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location=world.device)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
-        _say(req, f"resumed from {ckpt} at step {state['step']}")
-    before = trainer.held_out() if data["held_out"] else None
-    amp_dtype, why = choose_train_dtype(req.train_dtype, req.device)
-    _say(req, f"training matmuls in {str(amp_dtype).replace('torch.', '')} ({why})")
-    rng = random.Random(req.seed * 1000003 + state["step"])
-    last_ckpt = time.time()
+        _say(req, f"resumed from {ckpt} at step {state['step']}", world)
+    amp_dtype, why = choose_train_dtype(req.train_dtype, world.device)
+    _say(req, f"training matmuls in {str(amp_dtype).replace('torch.', '')} ({why})", world)
+    lengths = [int(ids.shape[0]) for ids, _ in train]
+    batches_per_epoch = len([b for b in epoch_batches(lengths, req.batch_sequences, req.seed, 0) if len(b) >= world.size])
+    total_steps = max(1, math.ceil(req.epochs * batches_per_epoch))
     t_loop = time.time() - state["elapsed"]
-    # the time budget left for steps (data building already spent part of --max-time); a resumed run
-    # continues its schedule: the steps it already did count as spent
     train_budget_s = (deadline - time.time()) + state["elapsed"] if deadline else None
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
     def progress() -> float:
-        """Share of the step budget spent (the lr schedule and the stopping rule both read it)."""
-        fr = [state["step"] / req.steps if req.steps else 0.0,
+        """Share of the budget spent (the lr schedule and the stopping rule read it); the same on every rank."""
+        fr = [state["step"] / total_steps, state["step"] / req.steps if req.steps else 0.0,
               state["tokens"] / req.max_tokens if req.max_tokens else 0.0,
               (time.time() - t_loop) / max(train_budget_s, 1e-9) if train_budget_s else 0.0]
-        return max(fr)
+        return all_max(max(fr), world)
 
     def checkpoint() -> None:
         state["elapsed"] = time.time() - t_loop
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+        if world.main:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
 
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps, initial=state["step"], desc="train-drafter", unit="step", file=sys.stderr,
+               disable=req.quiet or not world.main, dynamic_ncols=True)
+    batches, batches_epoch = None, -1
+    last_ckpt = time.time()
     model.train()
-    while progress() < 1.0:
-        lr = lr_at(progress(), tcfg)
+    done = progress()
+    while done < 1.0:
+        if batches_epoch != state["epoch"]:
+            batches = [b for b in epoch_batches(lengths, req.batch_sequences, req.seed, state["epoch"]) if len(b) >= world.size]
+            batches_epoch = state["epoch"]
+        lr = lr_at(done, req.lr, req.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        total, slots, accs = 0.0, 0, []
+        mine = rank_share(batches[state["batch_in_epoch"]], world.rank, world.size)
+        batch = pad_batch([train[i] for i in mine], mine, pad).to(world.device)
         opt.zero_grad(set_to_none=True)
-        batch = trainer.batch(rng)
-        for item in batch:
-            with torch.autocast(torch.device(req.device).type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                loss, n, acc = trainer.loss(item)
-            if loss is None:
-                continue
-            (loss / len(batch)).backward()
-            total += float(loss.detach()) / len(batch)
-            slots += n
-            accs.append(acc)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        inputs = trainer.inputs(batch, state["epoch"])
+        with torch.autocast(torch.device(world.device).type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            ce, weight, slots, correct, count = _parts(module(*inputs))
+        total_weight = all_sum(weight.float(), world).clamp(min=1e-9)
+        (ce * world.size / total_weight).backward()  # DDP averages over ranks: the sum of the ranks' parts
+        torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
         opt.step()
+        sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
         state["step"] += 1
-        state["tokens"] += slots
+        state["tokens"] += int(sums[1])
+        state["batch_in_epoch"] += 1
+        if state["batch_in_epoch"] >= len(batches):
+            state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
         elapsed = time.time() - t_loop
-        state["log"].append({"step": state["step"], "loss": round(total, 4), "slot1_acc": round(sum(accs) / max(1, len(accs)), 3),
-                             "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 1)})
-        if not req.quiet and state["step"] % 20 == 0:
-            print(f"\rstep {state['step']}  loss {total:.3f}  slot-1 acc {state['log'][-1]['slot1_acc']:.2f}  "
-                  f"{state['tokens'] / max(elapsed, 1e-6):.0f} tok/s  {100 * progress():.0f}%",
-                  end="", file=sys.stderr, flush=True)
+        row = {"step": state["step"], "epoch": state["epoch"] + state["batch_in_epoch"] / max(1, len(batches)),
+               "loss": round(float(sums[0] / total_weight), 5), "slot1_acc": round(float(sums[2] / sums[3].clamp(min=1)), 4),
+               "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 2)}
+        state["log"].append(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['slot1_acc']:.2f}",
+                        slots_s=f"{state['tokens'] / max(elapsed, 1e-6):.0f}", refresh=False)
         if time.time() - last_ckpt > req.checkpoint_every_s:
             checkpoint()
             last_ckpt = time.time()
+        done = progress()
+    bar.close()
     checkpoint()
-    if not req.quiet:
-        print(file=sys.stderr)
     model.eval()
-    after = trainer.held_out() if data["held_out"] else None
-    record = {"request": asdict(req), "data": data["stats"], "steps": state["step"], "supervised_tokens": state["tokens"],
-              "train_seconds": round(state["log"][-1]["elapsed_s"], 1) if state["log"] else 0.0,
-              "wall_seconds": round(time.time() - t_start, 1), **trainer.record,
-              "held_out_mean_accepted_length_before": before, "held_out_mean_accepted_length_after": after,
-              "final_loss": state["log"][-1]["loss"] if state["log"] else None,
-              "train_dtype": str(amp_dtype).replace("torch.", ""), "train_dtype_choice": why,
-              "machine": machine}
-    save_drafter(trainer.drafter(), out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
+    record = None
+    if world.main:
+        machine["processes"] = world.size
+        record = _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine, t_start, out,
+                         batches_per_epoch)
+    barrier(world)
+    return record
+
+
+def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine, t_start, out, batches_per_epoch) -> dict:
+    """Rank 0: the drafter folder, the log, the health checks, training.json."""
+    from ..evaluation import evaluate_drafter, write_health
+
+    log = state["log"]
+    train_s = log[-1]["elapsed_s"] if log else 0.0
+    record = {"request": asdict(req), "data": {k: manifest.get(k) for k in (
+                  "target", "prompts_done", "shards", "duplicates_dropped", "evaluation_overlap_dropped",
+                  "generated_tokens_per_s") if k in manifest},
+              "steps": state["step"], "epochs": round(state["epoch"] + state["batch_in_epoch"] / max(1, batches_per_epoch), 3),
+              "supervised_tokens": state["tokens"], "train_seconds": round(train_s, 1),
+              "supervised_slots_per_s": round(state["tokens"] / max(train_s, 1e-9), 1),
+              **trainer.record, "final_loss": log[-1]["loss"] if log else None,
+              "train_dtype": str(amp_dtype).replace("torch.", ""), "train_dtype_choice": why, "machine": machine}
+    drafter = trainer.drafter()
+    if held:
+        health = evaluate_drafter(drafter, target, prompts={"held-out": [ids[:p].tolist() for ids, p in held]},
+                                  num_prompts=len(held), max_new_tokens=req.eval_tokens, block_size=req.block_size,
+                                  anchors_per_sequence=req.eval_anchors, cache_dir=out / "eval-cache")
+        record["held_out"] = health.to_dict()
+        _say(req, f"held-out tau {health.overall.tau:.3f} (p1 {health.overall.slot_acceptance[0]:.3f})")
+    if req.eval_prompts:
+        health = evaluate_drafter(drafter, target, num_prompts=req.eval_prompts, max_new_tokens=req.eval_tokens,
+                                  block_size=req.block_size, anchors_per_sequence=req.eval_anchors,
+                                  progress=not req.quiet)
+        write_health(health, out / "health")
+        record["health"] = health.to_dict()
+        _say(req, "health check:\n" + health.table())
+    record["wall_seconds"] = round(time.time() - t_start, 1)
+    save_drafter(drafter, out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
                  training=record)
     with open(out / "train_log.jsonl", "w") as f:
-        for row in state["log"]:
+        for row in log:
             f.write(json.dumps(row) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=1))
-    _save_plot(state["log"], out / "loss.png")
-    _say(req, f"done: {state['step']} steps, held-out mean accepted length {before} -> {after}; "
-              f"drafter in {out / 'drafter'}")
+    _save_plot(log, out / "loss.png")
+    _say(req, f"done: {state['step']} steps, {state['tokens']} supervised slots; drafter in {out / 'drafter'}")
     return record
 
 
 def machine_info(device: str) -> dict:
-    """What the run ran on (recorded with the drafter): bench's machine record, plus the GPU if used."""
-    from ..bench.run import machine_info as host_info
+    """What the run ran on (recorded with the drafter): the host, plus the GPU if used."""
+    from ..devices import host_info
 
     info = host_info()
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-class ConditionedTrainer:
-    """Target-conditioned drafter: anchors with target features strictly before them."""
-
-    def __init__(self, req: TrainRequest, target, cfg: ConditionedConfig, tcfg: ConditionedTrainConfig, data: dict):
-        self.req, self.target, self.tcfg, self.data = req, target, tcfg, data
-        coverage = 1.0
-        if cfg.draft_vocab:
-            ids, coverage = choose_draft_vocab(data["train"], cfg.draft_vocab, always=sorted(target.stop_token_ids))
-            cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
-        self.model = ConditionedDraftModel(cfg).to(req.device)
-        if cfg.draft_vocab:
-            self.model.draft_token_ids.copy_(ids)
-            _say(req, f"draft vocabulary: {cfg.draft_vocab} tokens cover {100 * coverage:.1f}% of the target's choices")
-        copied = init_from_target(self.model, target.model) if req.init_from_target else 0
-        self.embed = target.model.get_input_embeddings()
-        self.head_w = target.model.get_output_embeddings().weight.detach()
-        self.record = {"init_tensors_from_target": copied, "draft_vocab": cfg.draft_vocab,
-                       "draft_vocab_coverage": round(coverage, 4)}
-
-    def batch(self, rng: random.Random) -> list:
-        return sample_step(rng, self.data["train"], self.tcfg)
-
-    def loss(self, item) -> tuple:
-        seq, anchors = item
-        return block_loss(self.model, seq, anchors, self.embed, self.head_w, self.tcfg.objective, self.tcfg.slot_decay)
-
-    def held_out(self) -> float:
-        return held_out_acceptance(self.model, self.data["held_out"], self.embed, self.head_w)
-
-    def drafter(self):
-        return ConditionedDrafter(self.model.to(torch.float32), self.target.tokenizer_fingerprint)
-
-
-class BlockTrainer:
-    """Standalone block-diffusion drafter: two-copy masked block objective (training/block.py)."""
-
-    def __init__(self, req: TrainRequest, target, cfg: ConditionedConfig, tcfg: ConditionedTrainConfig, data: dict):
-        self.req, self.target, self.tcfg, self.data = req, target, tcfg, data
-        self.model, self.mask_id = make_block_body(target.model, req.layers)
-        self.model.to(req.device).train()
-        self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
-                       "layers": req.layers, "mask_token_id": self.mask_id}
-
-    def batch(self, rng: random.Random) -> list:
-        train = self.data["train"]
-        return [(train[rng.randrange(len(train))], rng) for _ in range(self.tcfg.sequences_per_step)]
-
-    def loss(self, item) -> tuple:
-        seq, rng = item
-        return block_diffusion_loss(self.model, seq, self.req.block_size, self.mask_id, self.tcfg.objective, rng,
-                                    max_len=self.req.seq_len)
-
-    def drafter(self):
-        return BlockDiffusionDrafter(self.model.float().eval(), BlockDiffusionConfig(
-            mask_token_id=self.mask_id, block_size=self.req.block_size,
-            sub_block_size=min(8, self.req.block_size)), self.target.tokenizer_fingerprint)
-
-    def held_out(self) -> float:
-        was_training = self.model.training
-        d = self.drafter()
-        d.attach(self.target)
-        value = block_held_out_acceptance(d, self.data["held_out"])
-        self.model.train(was_training)
-        return value

@@ -1,0 +1,159 @@
+"""One drafter forward/backward over every anchor of every sequence in a batch (conditioned kind).
+
+A block for anchor a is [token a, mask x (B-1)] at positions a..a+B-1. Its queries see the target's
+features of positions STRICTLY before a (at serving time the anchor's own features do not exist
+yet) and their own block, bidirectionally; never another block. Rather than one dense mask over
+[context ; all blocks] (A*B x (C + A*B), almost all of it False), each layer's attention is computed
+in two parts that share one softmax:
+
+    scores = [ q . k_context  (masked to positions < a)  |  q . k_own_block ]   -> softmax -> @ [v_ctx | v_blk]
+
+so the cost is A*B*(C + B) per head instead of A*B*(C + A*B), with the same numbers as the serving
+pass (`ConditionedDrafter.block_logits`); the tests hold the two equal in fp64. The valid anchors of
+all sequences are packed (`AnchorLayout`): projections, MLPs and the LM head see no padding; only the
+context attention's two matmuls run on the padded [N, A] layout.
+
+Slot k (1..B-1) is labelled with the target's own choice at a+k (`target_next[a+k-1]`, alignment)
+or the data token, weighted exp(-(k-1)/decay); the loss of a batch is sum(w * CE) / sum(w) over all
+its slots, so a data-parallel run can add the parts of its ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..drafters.conditioned import ConditionedDraftModel
+from .batches import slot_weights
+
+
+def rotary_batched(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split, as drafters.conditioned.rotary). x [N, heads, n, d], positions [N, n]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.float()[..., None] * inv_freq                       # [N, n, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(x.dtype)  # [N, 1, n, d]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    return x.view(x.shape[0], x.shape[1], n_heads, head_dim).transpose(1, 2)     # [N, heads, n, d]
+
+
+@dataclass(frozen=True)
+class AnchorLayout:
+    """Where the M valid anchors of a batch sit: packed rows m <-> (sequence n[m], slot a[m]) of the
+    padded [N, A] anchor table. Projections, MLPs and the head run on the M packed blocks only; the
+    context attention scatters into the padded layout, whose matmuls are a small share of the work."""
+    seq: torch.Tensor       # [M] sequence of each packed anchor
+    slot: torch.Tensor      # [M] its column in the [N, A] table
+    anchor: torch.Tensor    # [M] its position
+    rows: int               # N
+    width: int              # A
+
+
+def anchored_attention(attn, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, layout: AnchorLayout,
+                       block_size: int) -> torch.Tensor:
+    """attn: a drafters.conditioned.Attention. x [M*B, h] packed block states at positions [M, B];
+    ctx [N, C, h] projected target features of positions 0..C-1. Each block sees its sequence's context
+    positions < its anchor and its own block. -> [M*B, h]."""
+    cfg = attn.cfg
+    B, M, N, A, C = block_size, layout.anchor.shape[0], layout.rows, layout.width, ctx.shape[1]
+    H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rep = H // KV
+    q = rotary_batched(attn.q_norm(_heads(attn.q_proj(x).view(M, B, -1), H, d)), positions, cfg.rope_theta)
+    k_b = rotary_batched(attn.k_norm(_heads(attn.k_proj(x).view(M, B, -1), KV, d)), positions, cfg.rope_theta)
+    v_b = _heads(attn.v_proj(x).view(M, B, -1), KV, d)
+    ctx_pos = torch.arange(C, device=x.device).expand(N, C)
+    k_c = rotary_batched(attn.k_norm(_heads(attn.k_proj(ctx), KV, d)), ctx_pos, cfg.rope_theta).repeat_interleave(rep, 1)
+    v_c = _heads(attn.v_proj(ctx), KV, d).repeat_interleave(rep, 1)                   # [N, H, C, d]
+    k_b, v_b = k_b.repeat_interleave(rep, 1), v_b.repeat_interleave(rep, 1)           # [M, H, B, d]
+    scale = 1.0 / math.sqrt(d)
+    q_pad = q.new_zeros(N, A, H, B, d)
+    q_pad[layout.seq, layout.slot] = q
+    s_ctx = q_pad.permute(0, 2, 1, 3, 4).reshape(N, H, A * B, d) @ k_c.transpose(-1, -2)   # [N, H, A*B, C]
+    s_ctx = s_ctx.view(N, H, A, B, C).permute(0, 2, 1, 3, 4)[layout.seq, layout.slot] * scale   # [M, H, B, C]
+    sees = torch.arange(C, device=x.device)[None, :] < layout.anchor[:, None]             # strictly before
+    s_ctx = s_ctx.masked_fill(~sees[:, None, None, :], float("-inf"))
+    s_blk = (q @ k_b.transpose(-1, -2)) * scale                                           # [M, H, B, B]
+    soft_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    p = torch.softmax(torch.cat([s_ctx, s_blk], -1), -1, dtype=soft_dtype).to(v_c.dtype)
+    p_pad = p.new_zeros(N, A, H, B, C)
+    p_pad[layout.seq, layout.slot] = p[..., :C]
+    o_ctx = p_pad.permute(0, 2, 1, 3, 4).reshape(N, H, A * B, C) @ v_c                  # [N, H, A*B, d]
+    o_ctx = o_ctx.view(N, H, A, B, d).permute(0, 2, 1, 3, 4)[layout.seq, layout.slot]    # [M, H, B, d]
+    out = o_ctx + p[..., C:] @ v_b
+    return attn.o_proj(out.transpose(1, 2).reshape(M * B, H * d))
+
+
+def anchored_block_states(model: ConditionedDraftModel, block_embeddings: torch.Tensor, layout: AnchorLayout,
+                          target_hidden: torch.Tensor) -> torch.Tensor:
+    """block_embeddings [M, B, h] of the packed blocks; target_hidden [N, C, F] the target's features of
+    positions 0..C-1 (C >= every anchor). -> drafter states [M, B, h]."""
+    M, B, h = block_embeddings.shape
+    ctx = model.project_context(target_hidden)
+    positions = layout.anchor[:, None] + torch.arange(B, device=layout.anchor.device)
+    x = block_embeddings.reshape(M * B, h)
+    for layer in model.layers:
+        x = x + anchored_attention(layer.self_attn, layer.input_layernorm(x), positions, ctx, layout, B)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x).view(M, B, h)
+
+
+@dataclass(frozen=True)
+class LossParts:
+    """Sums over one batch (or one rank's share of it); the loss is weighted_ce / weight."""
+    weighted_ce: torch.Tensor    # sum of w * CE over supervised slots (carries the graph)
+    weight: torch.Tensor         # sum of w
+    slots: torch.Tensor          # number of supervised slots
+    slot1_correct: torch.Tensor  # anchors whose slot-1 argmax is its label
+    slot1_count: torch.Tensor    # anchors with a supervised slot 1
+
+
+class AnchoredLoss(nn.Module):
+    """The conditioned drafter's training forward (a module, so DistributedDataParallel can wrap it).
+    The target's embedding and LM head weights are frozen arguments, never parameters of this module."""
+
+    def __init__(self, model: ConditionedDraftModel, objective: str = "target", slot_decay: float = 7.0):
+        super().__init__()
+        self.model, self.objective, self.slot_decay = model, objective, slot_decay
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, target_hidden: torch.Tensor,
+                target_next: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, embed_weight: torch.Tensor,
+                head_weight: torch.Tensor) -> LossParts:
+        """tokens [N, L], lengths [N], target_hidden [N, L, F], target_next [N, L], anchors/valid [N, A]."""
+        model = self.model
+        cfg = model.cfg
+        B, (N, L) = cfg.block_size, tokens.shape
+        dev = tokens.device
+        dtype = model.fc.weight.dtype
+        seq, slot = valid.nonzero(as_tuple=True)
+        layout = AnchorLayout(seq, slot, anchors[seq, slot], N, anchors.shape[1])
+        block = torch.full((seq.shape[0], B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = tokens[seq, layout.anchor]
+        C = max(1, int(layout.anchor.max())) if seq.numel() else 1   # features of positions < the last anchor
+        hidden = anchored_block_states(model, F.embedding(block, embed_weight).to(dtype), layout,
+                                       target_hidden[:, :C].to(dtype))
+        pos = layout.anchor[:, None] + torch.arange(1, B, device=dev)                 # [M, B-1] drafted positions
+        ok = pos < lengths[seq][:, None]
+        flat = pos.clamp(max=L - 1)
+        labels = target_next[seq[:, None], flat - 1] if self.objective == "target" else tokens[seq[:, None], flat]
+        if cfg.draft_vocab:  # labels as indices into the draft vocabulary; other tokens cannot be drafted
+            index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
+            index_of[model.draft_token_ids] = torch.arange(cfg.draft_vocab, device=dev)
+            labels = index_of[labels]
+            ok = ok & (labels >= 0)
+            labels = labels.clamp(min=0)
+        logits = hidden[:, 1:] @ model.head_weight(head_weight).to(hidden.dtype).T     # [M, B-1, V]
+        wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        ce = F.cross_entropy(wide.flatten(0, 1), labels.flatten(), reduction="none").view_as(pos)
+        w = slot_weights(B, self.slot_decay, dev).to(ce.dtype) * ok
+        first = ok[:, 0]
+        correct = (logits[:, 0].argmax(-1) == labels[:, 0]) & first
+        return LossParts((ce * w).sum(), w.sum(), ok.sum(), correct.sum(), first.sum())

@@ -1,0 +1,81 @@
+"""Data-parallel training on torch.distributed: `torchrun --nproc-per-node N -m diffspec train-drafter ...`.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them the run is one process and nothing here
+does anything. Every rank holds the whole (small) drafter, computes its share of each global batch
+(training/batches.py: rank r takes sequences r, r + N, ...), and DistributedDataParallel averages
+the gradients; rank 0 alone logs, checkpoints and writes the drafter.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    device: str = "cpu"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def join_world(device: str) -> World:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on CUDA); one process otherwise."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World(device=device)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
+
+
+def all_sum(values: torch.Tensor, world: World) -> torch.Tensor:
+    """Sum over ranks (a copy; the identity for one process)."""
+    out = values.detach().clone()
+    if world.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_max(value: float, world: World) -> float:
+    """The largest of the ranks' values: collective decisions (stop now?) that every rank takes alike."""
+    if not world.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def wrap(module: torch.nn.Module, world: World) -> torch.nn.Module:
+    """DistributedDataParallel around the loss module when there are several ranks."""
+    if not world.distributed:
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
+    return DistributedDataParallel(module, device_ids=ids)
+
+
+def leave_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

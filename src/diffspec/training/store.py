@@ -1,0 +1,816 @@
+"""The target-generated data store: the one data format between data generation, training and evaluation.
+
+`build_store` lets a target answer corpus prompts and writes the answers to a folder:
+
+- prompts: every user turn of every conversation, with the turns before it as context, rendered
+  with the chat template and its assistant prefix (`conversation_prompts`). Conversations that
+  overlap the evaluation sets are dropped first, so benchmark prompts never enter a store.
+- order: all (conversation, user turn) slots are shuffled with `seed`; prompts are rendered in
+  that order, skipping a prompt identical (same token ids) to an earlier one. The first N prompts
+  are therefore the same for every `max_prompts` >= N, which is what makes a store resumable and
+  extensible (`ordered_prompts`).
+- generation: batched (`generate_batch`: left-padded rows, one prefill, then one decode step per
+  token for the whole batch over a preallocated, position-indexed KV cache), once per temperature
+  (0 = greedy; T > 0 samples with a generator seeded by the prompt's position, so an answer does
+  not depend on which batch it ran in). The batch size is measured (`choose_batch_size`).
+- storage: chunks of prompts, each written as one safetensors shard and then recorded in
+  `manifest.json` (both atomically: temporary name, then `os.replace`). A killed run loses at most
+  the chunk in flight; rerunning with the same settings continues after `prompts_done`.
+  An answer identical to one already stored (same response tokens, whatever the prompt) is
+  dropped: small targets answer many prompts with the same greeting.
+
+Layout of a store folder:
+
+    manifest.json              {"format": "diffspec-token-store", "version": 1, "target", "tokenizer_fingerprint",
+                                "settings", "prompts_total", "prompts_done", "shards": [...], ...}
+    shard-00000.safetensors    tokens int32 [sum of lengths]   prompt + response ids, sequence after sequence
+                               offsets int64 [n + 1]           sequence i is tokens[offsets[i]:offsets[i+1]]
+                               prompt_lens int32 [n]           the response starts at offsets[i] + prompt_lens[i]
+                               temperature float32 [n]         0 = greedy
+
+`read_store(path)` gives the sequences back as (ids, prompt length) pairs in stored order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from ..errors import DiffspecError
+from .data import drop_evaluation_overlap, evaluation_prompts
+
+FORMAT = "diffspec-token-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+# cache layer kinds whose keys and values are positions (all kept here; a window is applied by the mask)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# settings a resumed run must share with the run that started the store (they decide what is stored)
+RESUME_KEYS = ("max_new_tokens", "max_prompt_tokens", "temperatures", "seed")
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+def _ids(encoded) -> list:
+    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "input_ids") else encoded
+    return [int(i) for i in ids]
+
+
+def turn_prompt(tokenizer, messages: list, turn: int, max_prompt_tokens: int) -> Optional[list]:
+    """The prompt for the user message `messages[turn]`: everything up to and including it (earlier
+    assistant turns included, as context) with the assistant prefix -> token ids, or None when skipped.
+
+    With a chat template it is rendered with `add_generation_prompt=True`; without one the turns'
+    contents are joined by blank lines. A prompt longer than `max_prompt_tokens` keeps its last
+    `max_prompt_tokens` tokens: earlier context is cut, the question itself never is. A prompt whose
+    last user message (from its first character to the assistant prefix) does not fit is skipped (None),
+    as is one the chat template refuses (e.g. a role it does not know)."""
+    head = messages[: turn + 1]
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=False)
+        except TemplateError:
+            return None
+        ids = _ids(tokenizer(text, add_special_tokens=False))  # the template writes its own BOS, if any
+    else:
+        text = "\n\n".join(m["content"] for m in head)
+        ids = _ids(tokenizer(text))
+    if len(ids) <= max_prompt_tokens:
+        return ids or None
+    question = head[-1]["content"].strip()
+    at = text.rfind(question) if question else -1
+    if at < 0:  # the template rewrote the message: fall back to cutting at most half of the prompt
+        return ids[-max_prompt_tokens:] if len(ids) <= 2 * max_prompt_tokens else None
+    if len(_ids(tokenizer(text[at:], add_special_tokens=False))) > max_prompt_tokens:
+        return None
+    return ids[-max_prompt_tokens:]
+
+
+def _user_turns(conv: list) -> list:
+    return [i for i, m in enumerate(conv) if m["role"] == "user"]
+
+
+def conversation_prompts(convs: Sequence[list], tokenizer, max_prompt_tokens: int) -> list:
+    """One prompt per user turn of every conversation, in corpus order (see `turn_prompt`; skipped
+    prompts are left out, duplicates are kept) -> [[token id]]."""
+    out = []
+    for conv in convs:
+        for turn in _user_turns(conv):
+            ids = turn_prompt(tokenizer, conv, turn, max_prompt_tokens)
+            if ids:
+                out.append(ids)
+    return out
+
+
+@dataclass(frozen=True)
+class PromptOrder:
+    """The first prompts of a corpus in the store's seeded order."""
+    prompts: list           # [[token id]], distinct
+    slots: int              # user turns in the corpus
+    slots_read: int         # user turns rendered to find these prompts
+    too_long: int           # of those, skipped by `turn_prompt`
+    duplicates: int         # of those, identical to an earlier prompt
+
+    def digest(self, n: Optional[int] = None) -> str:
+        """A hash of the first n prompts (all by default): equal means the same prompts in the same order."""
+        return _prompt_hasher(self.prompts[:n]).hexdigest()[:16]
+
+
+def _prompt_hasher(prompts: Sequence[Sequence[int]], h=None):
+    """sha256 fed with `prompts` (after what `h` was fed already)."""
+    h = h if h is not None else hashlib.sha256()
+    for ids in prompts:
+        h.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+        h.update(b"|")
+    return h
+
+
+def ordered_prompts(convs: Sequence[list], tokenizer, max_prompt_tokens: int, seed: int,
+                    limit: Optional[int] = None, progress: bool = False) -> PromptOrder:
+    """Every (conversation, user turn) slot, shuffled with `seed`, rendered in that order until `limit`
+    distinct prompts are found (all of them without a limit). Only what is needed is tokenized: a
+    ShareGPT user turn takes ~3 ms, all 61k of them minutes (a progress bar on stderr with `progress`)."""
+    slots = [(c, t) for c, conv in enumerate(convs) for t in _user_turns(conv)]
+    random.Random(seed).shuffle(slots)
+    prompts, seen, read, too_long, dup = [], set(), 0, 0, 0
+    bar = _progress_bar(min(limit, len(slots)) if limit is not None else len(slots), 0, progress,
+                        desc="rendering prompts", unit="prompt")
+    try:
+        for c, t in slots:
+            if limit is not None and len(prompts) >= limit:
+                break
+            read += 1
+            ids = turn_prompt(tokenizer, convs[c], t, max_prompt_tokens)
+            if not ids:
+                too_long += 1
+            elif tuple(ids) in seen:
+                dup += 1
+            else:
+                seen.add(tuple(ids))
+                prompts.append(ids)
+            bar.update(1 if limit is None or len(prompts) > bar.n else 0)  # slots read, or prompts found
+    finally:
+        bar.close()
+    return PromptOrder(prompts, len(slots), read, too_long, dup)
+
+
+# --- a preallocated KV cache for a batch of rows ------------------------------------------------
+
+@dataclass
+class _Rows:
+    """What the layers of one `BatchKVCache` share (not the cache itself: no reference cycle keeps a
+    dropped cache's buffers alive until the garbage collector runs)."""
+    rows: int                 # live rows
+    capacity: int             # positions per row
+    length: int = 0           # positions written (the same for every row)
+    row_range: tuple = (0, 0)  # rows the next forward pass covers
+
+
+class _RowsLayer(CacheLayerMixin):
+    """One decoder layer's keys and values, preallocated as [rows, kv heads, capacity, head dim] and
+    indexed by position. `update` writes the new positions in place and returns views of the live rows'
+    positions written so far: attention never reads past the current length, nor copies the past."""
+
+    is_sliding = False
+
+    def __init__(self, owner: _Rows):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, heads, cap = self.owner.rows, key_states.shape[1], self.owner.capacity
+        self.keys = key_states.new_zeros((rows, heads, cap, key_states.shape[-1]))
+        self.values = value_states.new_zeros((rows, heads, cap, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.owner.length
+        end = start + key_states.shape[-2]
+        r0, r1 = self.owner.row_range
+        self.keys[r0:r1, :, start:end] = key_states
+        self.values[r0:r1, :, start:end] = value_states
+        return self.keys[r0:r1, :, :end], self.values[r0:r1, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def keep_rows(self, index: Sequence[int], length: int) -> None:
+        """Move rows `index` (ascending) to the front, in place: no new buffer, and no row is overwritten
+        before it has been moved, since row j takes row index[j] >= j."""
+        if self.is_initialized:
+            for j, i in enumerate(index):
+                if i != j:
+                    self.keys[j, :, :length].copy_(self.keys[i, :, :length])
+                    self.values[j, :, :length].copy_(self.values[i, :, :length])
+
+
+class BatchKVCache(Cache):
+    """A static KV cache for `rows` sequences of at most `capacity` positions (a transformers `Cache`).
+
+    Every row has the same length (`length`, advanced by the caller after each forward pass): rows
+    are left-padded and the padding is masked. `row_range` restricts a forward pass to some rows
+    (prefill in groups); `keep_rows` drops finished rows, in place. Sliding-window layers keep every position
+    too: the model's mask applies the window, so the cache needs no per-kind logic."""
+
+    def __init__(self, config, rows: int, capacity: int):
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        bad = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+        if bad:
+            raise DiffspecError(f"batched generation supports attention layers only "
+                                f"({', '.join(ATTENTION_LAYER_TYPES)}), this model has {', '.join(bad)}")
+        self.state = _Rows(rows, capacity, 0, (0, rows))
+        super().__init__(layers=[_RowsLayer(self.state) for _ in layer_types])
+
+    @property
+    def rows(self) -> int:
+        return self.state.rows
+
+    @property
+    def capacity(self) -> int:
+        return self.state.capacity
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.state.length = int(value)
+
+    @property
+    def row_range(self) -> tuple:
+        return self.state.row_range
+
+    @row_range.setter
+    def row_range(self, value: tuple) -> None:
+        self.state.row_range = tuple(value)
+
+    def advance(self, n: int) -> None:
+        """Record that the last forward pass wrote `n` positions to every row."""
+        self.length += n
+        if self.length > self.capacity:
+            raise DiffspecError(f"KV cache overflow: {self.length} positions in a cache of {self.capacity}")
+
+    def keep_rows(self, index: Sequence[int]) -> None:
+        """Keep only rows `index` (ascending), which become rows 0, 1, ...; the buffers stay allocated."""
+        index = [int(i) for i in index]
+        if index != sorted(set(index)) or (index and index[-1] >= self.rows):
+            raise ValueError(f"keep_rows needs ascending row indices below {self.rows}, got {index}")
+        for layer in self.layers:
+            layer.keep_rows(index, self.length)
+        self.state.rows = len(index)
+        self.row_range = (0, self.rows)
+
+
+# --- batched generation ------------------------------------------------------------------------
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Next token per row: argmax at temperature 0, else a sample from softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generator)])
+    return torch.multinomial(probs, 1, generator=generator).view(-1)
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids, pad_id: int,
+                   temperature: float = 0.0,
+                   generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
+                   prefill_tokens: int = 16384, compact_share: float = 0.25) -> list:
+    """Answer every prompt in one batch -> responses [[token id]] in prompt order, each cut after its
+    first stop token (or `max_new_tokens` long).
+
+    The prompts are left-padded to one width and prefilled once (in row groups of at most
+    `prefill_tokens` tokens), then every step decodes one token for all rows over a `BatchKVCache`;
+    positions come from the attention mask, so padding changes nothing. A row that stopped is no longer
+    counted; once `compact_share` of the rows have stopped they are dropped from the batch. The loop
+    ends when every row has stopped. Greedy at temperature 0 (the same tokens as decoding each prompt
+    alone); otherwise sampled with `generator`: one for the batch, or one per prompt, which makes each
+    answer independent of its batch."""
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise DiffspecError("generate_batch: empty prompt")
+    if isinstance(generator, (list, tuple)) and len(generator) != len(prompts):
+        raise DiffspecError(f"generate_batch: {len(generator)} generators for {len(prompts)} prompts")
+    device = _model_device(model)
+    n, width = len(prompts), max(len(p) for p in prompts)
+    stop_ids = frozenset(int(s) for s in stop_ids)
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    ids = torch.full((n, width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[r, width - len(p): width] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    cache = BatchKVCache(model.config, n, width + max_new_tokens)
+    group = max(1, prefill_tokens // width)
+    logits = []
+    for r0 in range(0, n, group):
+        r1 = min(n, r0 + group)
+        cache.row_range = (r0, r1)
+        out = model(input_ids=ids[r0:r1], attention_mask=mask[r0:r1, :width], position_ids=positions[r0:r1],
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1])
+    cache.row_range = (0, n)
+    cache.advance(width)
+    logits = torch.cat(logits)
+    rows = list(range(n))                         # prompt index of each live row
+    next_pos = positions[:, -1] + 1               # position of the token each row decodes next
+    gens = list(generator) if isinstance(generator, (list, tuple)) else generator
+    responses = [[] for _ in range(n)]
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        tok = _choose(logits, temperature, gens)
+        for r, t in zip(rows, tok.tolist()):
+            if not responses[r] or responses[r][-1] not in stop_ids:
+                responses[r].append(t)
+        done |= torch.isin(tok, stop)
+        n_done = int(done.sum())
+        if n_done == len(rows) or step == max_new_tokens - 1:
+            break
+        if n_done and n_done >= compact_share * len(rows):
+            keep = (~done).nonzero().view(-1)
+            keep_list = keep.tolist()
+            cache.keep_rows(keep_list)
+            rows = [rows[i] for i in keep_list]
+            if isinstance(gens, list):
+                gens = [gens[i] for i in keep_list]
+            tok, mask, next_pos, done = tok[keep], mask[keep], next_pos[keep], done[keep]
+        mask[:, width + step] = 1
+        out = model(input_ids=tok.view(-1, 1), attention_mask=mask[:, : width + step + 1],
+                    position_ids=next_pos.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.advance(1)
+        next_pos = next_pos + 1
+        logits = out.logits[:, -1]
+    return responses
+
+
+# --- batch size by measurement -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """The measured decode throughput per batch size, and the batch chosen."""
+    batch_size: int
+    tokens_per_s: dict        # {batch: generated tokens per second}
+    cache_len: int            # positions in the cache while timing
+    device: str
+    seconds: float            # time the measurement took
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.batch_size, "tokens_per_s": {str(b): round(v, 1) for b, v in self.tokens_per_s.items()},
+                "cache_len": self.cache_len, "device": self.device, "seconds": round(self.seconds, 2)}
+
+
+@torch.inference_mode()
+def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2) -> float:
+    """Seconds per decode step (one token for each of `batch` rows) with `cache_len` positions in the
+    cache: the best of `steps` (a first one-token pass allocates the cache and warms up). The cache holds
+    zeros; the work is the same."""
+    device = _model_device(model)
+    cache = BatchKVCache(model.config, batch, cache_len + steps)
+    tok = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1).tolist()
+    cache.length = cache_len
+    mask = torch.ones((batch, cache_len + steps), dtype=torch.long, device=device)
+    best = math.inf
+    for _ in range(steps):
+        pos = torch.full((batch, 1), cache.length, dtype=torch.long, device=device)
+        t0 = time.perf_counter()
+        out = model(input_ids=tok, attention_mask=mask[:, : cache.length + 1], position_ids=pos,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out.logits[:, -1].argmax(-1).tolist()  # waits for the device, as the real loop does
+        cache.advance(1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_batch_size(model, device=None, cache_len: int = 384, candidates: Optional[Sequence[int]] = None,
+                      min_gain: float = 1.1, patience: int = 2, search_at_least: int = 16,
+                      steps: int = 2) -> BatchChoice:
+    """Time decode steps at growing batch sizes (1, 4, 8, ... up to 64 on a CPU, 512 on CUDA) with
+    `cache_len` positions in the cache and take the fastest in tokens/s.
+
+    Growing stops once `patience` sizes in a row fail to beat the best by `min_gain` (or memory runs
+    out), but not below `search_at_least`: small batches are bound by reading the weights, so a slower
+    reading there is another process's noise, not the machine's limit. The best and its neighbours are
+    then timed once more, each keeping its faster reading, so that one burst of load on a shared machine
+    cannot pick the batch."""
+    device = torch.device(device) if device is not None else _model_device(model)
+    if candidates is None:
+        top = 512 if device.type == "cuda" else 64
+        candidates = [b for b in (1, 4, 8, 16, 32, 64, 128, 256, 512) if b <= top]
+    t0 = time.perf_counter()
+    rates: dict = {}
+
+    def measure(b: int) -> bool:
+        try:
+            rates[b] = max(rates.get(b, 0.0), b / decode_step_seconds(model, b, cache_len, steps))
+            return True
+        except torch.OutOfMemoryError:
+            return False
+
+    best, misses = None, 0
+    for b in candidates:
+        if not measure(b):
+            break
+        misses = 0 if best is None or rates[b] >= min_gain * rates[best] else misses + 1
+        if best is None or rates[b] > rates[best]:
+            best = b
+        if misses >= patience and b >= search_at_least:
+            break
+    tried = list(rates)
+    at = tried.index(best)
+    for b in tried[max(0, at - 1): at + 2]:
+        measure(b)
+    best = max(rates, key=rates.get)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return BatchChoice(best, rates, cache_len, str(device), time.perf_counter() - t0)
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What `build_store` is asked for; validated before any model is loaded."""
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    temperatures: tuple = (0.0,)
+    seed: int = 0
+    batch_size: Union[str, int] = "auto"
+    shard_sequences: int = 1024
+    max_prompts: Optional[int] = None
+    corpus: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+        for name in ("max_new_tokens", "max_prompt_tokens", "shard_sequences", "max_prompts"):
+            value = getattr(self, name)
+            if (value is not None or name != "max_prompts") and (isinstance(value, bool) or not isinstance(value, int)
+                                                                 or value < 1):
+                raise DiffspecError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if not self.temperatures:
+            raise DiffspecError("give at least one temperature (0 = greedy)")
+        bad = [t for t in self.temperatures if not (t >= 0 and math.isfinite(t))]
+        if bad:
+            raise DiffspecError(f"{_flag('temperatures')} must be >= 0 (0 = greedy), got {bad[0]}")
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise DiffspecError(f"{_flag('temperatures')} repeat: {list(self.temperatures)}")
+        if self.batch_size != "auto" and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                          or self.batch_size < 1):
+            raise DiffspecError(f"{_flag('batch_size')} must be 'auto' or a positive integer, got {self.batch_size!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise DiffspecError(f"{_flag('seed')} must be an integer, got {self.seed!r}")
+
+    def resume_values(self) -> dict:
+        """The settings a store records and a resumed run must repeat."""
+        return {k: list(getattr(self, k)) if k == "temperatures" else getattr(self, k) for k in RESUME_KEYS}
+
+
+def _flag(name: str) -> str:
+    """A setting's name as the API and the command line spell it."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def check_store_folder(out, settings: StoreSettings) -> None:
+    """Refuse, before any model loads, a folder that is neither new, empty nor a store, and a store built with
+    other settings (what `build_store` also checks, with the target and the prompts)."""
+    out = Path(out).expanduser()
+    if (out / MANIFEST).is_file():
+        _check_settings(out, _read_manifest(out), settings)
+    elif out.exists() and (not out.is_dir() or any(not p.name.startswith("shard-") for p in out.iterdir())):
+        raise DiffspecError(f"{out} exists and is not a token store: give a new or empty folder")
+
+
+def _check_settings(out: Path, manifest: dict, settings: StoreSettings) -> None:
+    old = manifest.get("settings", {})
+    for key, mine in settings.resume_values().items():
+        if old.get(key) != mine:
+            raise DiffspecError(f"{out} was built with {key}={old.get(key)!r}, this run asks for {mine!r}: "
+                                f"resume with the same settings, or write to a new folder")
+
+
+def parse_batch_size(text: str) -> Union[str, int]:
+    """'auto' or a positive integer (command-line text)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DiffspecError(f"--batch-size must be 'auto' or a positive integer, got '{text}'")
+    return value
+
+
+class TokenStore:
+    """A store folder read back: `manifest` (dict), `len(store)` sequences, and `sequences`, a list of
+    (ids LongTensor [T], prompt length) in stored order (loaded on first use); `temperatures` gives
+    each sequence's sampling temperature."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+        self._sequences: Optional[list] = None
+        self._temperatures: Optional[list] = None
+
+    def __len__(self) -> int:
+        return sum(int(s["sequences"]) for s in self.manifest["shards"])
+
+    def __repr__(self) -> str:
+        return f"TokenStore({str(self.path)!r}, {len(self)} sequences, target {self.manifest.get('target')!r})"
+
+    def _load(self) -> None:
+        seqs, temps = [], []
+        for shard in self.manifest["shards"]:
+            if not shard["sequences"]:
+                continue
+            data = _read_shard(self.path / shard["file"])
+            tokens, offsets = data["tokens"].long(), data["offsets"].tolist()
+            for i, (plen, temp) in enumerate(zip(data["prompt_lens"].tolist(), data["temperature"].tolist())):
+                seqs.append((tokens[offsets[i]: offsets[i + 1]].clone(), int(plen)))
+                temps.append(round(float(temp), 6))  # float32 on disk: 0.7 reads 0.699999988
+        self._sequences, self._temperatures = seqs, temps
+
+    @property
+    def sequences(self) -> list:
+        if self._sequences is None:
+            self._load()
+        return self._sequences
+
+    @property
+    def temperatures(self) -> list:
+        if self._temperatures is None:
+            self._load()
+        return self._temperatures
+
+
+def _read_shard(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise DiffspecError(f"token store shard {path} is missing")
+    data = load_file(str(path))
+    missing = [k for k in ("tokens", "offsets", "prompt_lens", "temperature") if k not in data]
+    if missing:
+        raise DiffspecError(f"{path} is not a token store shard (no {', '.join(missing)})")
+    return data
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    if not path.is_dir() or not file.is_file():
+        raise DiffspecError(f"{path} is not a diffspec token store (no {MANIFEST}; make one with diffspec make-data)")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DiffspecError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DiffspecError(f"{path} is not a diffspec token store ({MANIFEST} has no format '{FORMAT}')")
+    if manifest.get("version") != VERSION:
+        raise DiffspecError(f"{path}: token store version {manifest.get('version')} is not supported "
+                            f"(this diffspec reads version {VERSION})")
+    return manifest
+
+
+def read_store(path) -> TokenStore:
+    """Open a store folder written by `build_store` (DiffspecError naming the path if it is not one)."""
+    path = Path(path).expanduser()
+    return TokenStore(path, _read_manifest(path))
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _write_shard(path: Path, sequences: list) -> None:
+    """sequences: [(ids list, prompt length, temperature)]."""
+    from safetensors.torch import save_file
+
+    lengths = [len(ids) for ids, _, _ in sequences]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    tensors = {"tokens": torch.tensor([t for ids, _, _ in sequences for t in ids], dtype=torch.int32),
+               "offsets": torch.tensor(offsets, dtype=torch.int64),
+               "prompt_lens": torch.tensor([p for _, p, _ in sequences], dtype=torch.int32),
+               "temperature": torch.tensor([t for _, _, t in sequences], dtype=torch.float32)}
+    _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT}))
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    _write_atomic(out / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8"))
+
+
+def _response_key(ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes(), digest_size=16).digest()
+
+
+def _sample_generator(seed: int, prompt_index: int, temperature_index: int, device) -> torch.Generator:
+    """The generator of one sampled answer: a function of the seed and the prompt's place in the order only."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + prompt_index) * 101 + temperature_index)
+    return g
+
+
+def _open_or_start(out: Path, target, settings: StoreSettings, order: PromptOrder, header: dict) -> dict:
+    """The manifest of an existing store after checking it may be continued, or a new one."""
+    if (out / MANIFEST).is_file():
+        manifest = _read_manifest(out)
+        for key in ("target", "tokenizer_fingerprint"):
+            if manifest.get(key) != header[key]:
+                raise DiffspecError(f"{out} was built by {key} {manifest.get(key)!r}, not {header[key]!r}: "
+                                    f"a store holds one target's answers; write to a new folder")
+        done = int(manifest["prompts_done"])
+        if len(order.prompts) < done or order.digest(done) != manifest.get("prompts_done_sha256"):
+            raise DiffspecError(f"{out}: the first {done} prompts of this corpus (in the seeded order) are not the "
+                                f"ones already answered (corpus, chat template or evaluation sets changed?); "
+                                f"write to a new folder")
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    return {**header, "prompts_total": 0, "prompts_done": 0, "prompts_done_sha256": order.digest(0), "shards": [],
+            "duplicates_dropped": 0, "generated_tokens_total": 0, "generation_seconds": 0.0,
+            "generated_tokens_per_s": None}
+
+
+def _stored_response_keys(out: Path, manifest: dict) -> set:
+    keys = set()
+    for shard in manifest["shards"]:
+        if not shard["sequences"]:
+            continue
+        data = _read_shard(out / shard["file"])
+        tokens, offsets = data["tokens"].tolist(), data["offsets"].tolist()
+        for i, plen in enumerate(data["prompt_lens"].tolist()):
+            keys.add(_response_key(tokens[offsets[i] + plen: offsets[i + 1]]))
+    return keys
+
+
+def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
+                batch_size: Union[str, int] = "auto", temperatures: Sequence[float] = (0.0,), seed: int = 0,
+                max_prompts: Optional[int] = None, deadline: Optional[float] = None, shard_sequences: int = 1024,
+                progress: bool = True, corpus: Optional[str] = None) -> dict:
+    """Let `target` (a diffspec Target) answer the prompts of `convs` and store the answers in folder
+    `out` (see the module docstring) -> the manifest.
+
+    Stops after `max_prompts` prompts (all by default) or at `deadline` (a `time.time()` value): a chunk
+    is sized to end in time, and one the deadline overtakes is not written. Rerunning on the same
+    folder with the same settings continues where it stopped (a larger `max_prompts` extends the
+    store); other settings, another target or other prompts are refused. `batch_size` and
+    `shard_sequences` may differ between runs: they change how, not what, is generated. `corpus` is a
+    label recorded in the manifest."""
+    settings = StoreSettings(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                             temperatures=tuple(temperatures), seed=seed, batch_size=batch_size,
+                             shard_sequences=shard_sequences, max_prompts=max_prompts, corpus=corpus)
+    if target.tokenizer is None:
+        raise DiffspecError("build_store needs a target with a tokenizer")
+    limit = getattr(target.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and max_prompt_tokens + max_new_tokens > limit:
+        raise DiffspecError(f"max_prompt_tokens + max_new_tokens = {max_prompt_tokens + max_new_tokens} exceeds "
+                            f"{target.name}'s context of {limit} positions")
+    out = Path(out).expanduser()
+    check_store_folder(out, settings)
+    before = _read_manifest(out)["prompts_done"] if (out / MANIFEST).is_file() else 0
+    kept, overlap = drop_evaluation_overlap(list(convs), evaluation_prompts())
+    order = ordered_prompts(kept, target.tokenizer, max_prompt_tokens, seed,
+                            limit=None if max_prompts is None else max(max_prompts, before), progress=progress)
+    temps = settings.temperatures
+    header = {"format": FORMAT, "version": VERSION, "target": target.name,
+              "tokenizer_fingerprint": target.tokenizer_fingerprint,
+              "settings": {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                           "temperatures": list(temps), "corpus": corpus, "seed": seed, "batch_size": batch_size,
+                           "shard_sequences": shard_sequences, "batch_choice": None}}
+    manifest = _open_or_start(out, target, settings, order, header)
+    manifest.update(prompts_total=len(order.prompts), conversations=len(kept),
+                    evaluation_overlap_dropped=overlap, user_turns=order.slots,
+                    prompts_skipped_too_long=order.too_long, duplicate_prompts_dropped=order.duplicates)
+    manifest["settings"].update(corpus=corpus if corpus is not None else manifest["settings"].get("corpus"),
+                                batch_size=batch_size, shard_sequences=shard_sequences)
+    done, total = manifest["prompts_done"], manifest["prompts_total"]
+    if done >= total:
+        _write_manifest(out, manifest)
+        return manifest
+
+    model, device = target.model, _model_device(target.model)
+    stop_ids = frozenset(int(s) for s in target.stop_token_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    if batch_size == "auto":
+        lens = sorted(len(p) for p in order.prompts[done:])
+        choice = choose_batch_size(model, device, cache_len=lens[len(lens) // 2] + max_new_tokens // 2)
+        manifest["settings"]["batch_choice"] = choice.to_dict()
+        batch = choice.batch_size
+    else:
+        batch = int(batch_size)
+    seen = _stored_response_keys(out, manifest)
+    hasher = _prompt_hasher(order.prompts[:done])  # prompts_done_sha256, extended chunk by chunk
+    chunk_prompts = max(1, shard_sequences // len(temps))
+    bar = _progress_bar(total * len(temps), done * len(temps), progress)
+    run_start, run_prompts = time.time(), 0
+    try:
+        while done < total:
+            n = min(chunk_prompts, total - done)
+            if deadline is not None:
+                left = deadline - time.time()
+                if run_prompts:  # size the chunk to end in time, from this run's pace
+                    pace = (time.time() - run_start) / run_prompts
+                    n = min(n, int(0.9 * left / pace))
+                else:            # no pace yet: a first chunk of one batch per temperature
+                    n = min(n, batch)
+                if left <= 0 or n < 1:
+                    break
+            t0 = time.time()
+            answers, generated = _answer_chunk(model, order.prompts, done, n, temps, batch, max_new_tokens, stop_ids,
+                                               pad, seed, device, deadline, bar)
+            if answers is None:  # overtaken by the deadline: nothing of this chunk is written
+                break
+            seconds = time.time() - t0
+            kept_seqs, dropped = [], 0
+            for i in range(done, done + n):
+                for k, temp in enumerate(temps):
+                    resp = answers[(i, k)]
+                    key = _response_key(resp)
+                    if key in seen:
+                        dropped += 1
+                        continue
+                    seen.add(key)
+                    kept_seqs.append((order.prompts[i] + resp, len(order.prompts[i]), temp))
+            entry = {"file": f"shard-{len(manifest['shards']):05d}.safetensors", "sequences": len(kept_seqs),
+                     "tokens": sum(len(s) for s, _, _ in kept_seqs),
+                     "generated_tokens": sum(len(s) - p for s, p, _ in kept_seqs),
+                     "prompts": [done, done + n], "batch_size": batch}
+            _write_shard(out / entry["file"], kept_seqs)
+            done += n
+            run_prompts += n
+            manifest["shards"].append(entry)
+            manifest["prompts_done"] = done
+            manifest["prompts_done_sha256"] = _prompt_hasher(order.prompts[done - n: done], hasher).hexdigest()[:16]
+            manifest["duplicates_dropped"] += dropped
+            manifest["generated_tokens_total"] += generated
+            manifest["generation_seconds"] = round(manifest["generation_seconds"] + seconds, 2)
+            manifest["generated_tokens_per_s"] = round(manifest["generated_tokens_total"]
+                                                       / max(manifest["generation_seconds"], 1e-9), 1)
+            _write_manifest(out, manifest)
+    finally:
+        bar.close()
+    _write_manifest(out, manifest)
+    return manifest
+
+
+def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "target answers", unit: str = "answer"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True,
+                desc=desc)
+
+
+def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch: int, max_new_tokens: int,
+                  stop_ids, pad: int, seed: int, device, deadline: Optional[float], bar) -> tuple:
+    """Answer prompts[start:start+n] once per temperature -> ({(prompt index, temperature index): response},
+    generated tokens), or (None, 0) when the deadline passed before the chunk was done. A batch holds one
+    temperature and prompts of similar length (the chunk sorted by length)."""
+    by_length = sorted(range(start, start + n), key=lambda i: (len(prompts[i]), i))
+    batches = [[(k, i) for i in by_length[b0: b0 + batch]] for k in range(len(temps))
+               for b0 in range(0, n, batch)]
+    answers, generated, t0 = {}, 0, time.time()
+    for items in batches:
+        if deadline is not None and time.time() > deadline:
+            return None, 0
+        temp = temps[items[0][0]]
+        gens = [_sample_generator(seed, i, k, device) for k, i in items] if temp > 0 else None
+        responses = generate_batch(model, [prompts[i] for _, i in items], max_new_tokens, stop_ids, pad,
+                                   temperature=temp, generator=gens)
+        for (k, i), resp in zip(items, responses):
+            answers[(i, k)] = resp
+            generated += len(resp)
+        bar.update(len(items))
+        bar.set_postfix_str(f"{generated / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
+    return answers, generated

@@ -1,0 +1,112 @@
+"""The online batched trainer's step: one drafter forward over all anchors of all sequences equals
+the per-sequence computation through the serving pass; anchors and batches are reproducible."""
+
+import torch
+import torch.nn.functional as F
+
+from conftest import make_model
+from diffspec.drafters.conditioned import ConditionedConfig, ConditionedDraftModel
+from diffspec.training.anchored import AnchoredLoss
+from diffspec.training.batches import (epoch_batches, pad_batch, rank_share, sample_anchors, slot_weights,
+                                       target_features)
+
+
+def reference_sequence_parts(model, tokens, hidden, target_next, first_supervised, anchors, embed, head_w, decay):
+    """One sequence, through the serving forward (ConditionedDraftModel.forward with the context's
+    keys/values and a dense boolean mask): -> (sum of w * CE, sum of w)."""
+    cfg = model.cfg
+    B, T = cfg.block_size, tokens.shape[0]
+    a = torch.tensor(anchors)
+    ctx_len = max(anchors)
+    ctx_pos = torch.arange(ctx_len)
+    kv = model.context_keys_values(hidden[:ctx_len], ctx_pos)
+    block = torch.full((len(anchors), B), cfg.mask_token_id, dtype=torch.long)
+    block[:, 0] = tokens[a]
+    positions = (a[:, None] + torch.arange(B)).reshape(-1)
+    sees_ctx = ctx_pos[None, :] < a.repeat_interleave(B)[:, None]
+    block_id = torch.arange(len(anchors)).repeat_interleave(B)
+    mask = torch.cat([sees_ctx, block_id[:, None] == block_id[None, :]], 1)
+    out = model(embed(block.reshape(-1)), positions, kv, attn_mask=mask).view(len(anchors), B, -1)
+    pos = a[:, None] + torch.arange(1, B)
+    valid = pos < T
+    labels = target_next[(pos.clamp(max=T - 1) - 1)]
+    logits = out[:, 1:] @ head_w.T
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(pos)
+    w = slot_weights(B, decay).double() * valid
+    return (ce * w).sum(), w.sum()
+
+
+def test_batched_loss_equals_per_sequence_loss_fp64():
+    torch.manual_seed(0)
+    target = make_model(50, seed=3, layers=4, hidden=32)
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=2, block_size=5)
+    model = ConditionedDraftModel(cfg).double()
+    for p in model.parameters():  # non-trivial norms and projections
+        torch.nn.init.normal_(p, std=0.3)
+    embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(1)
+    seqs = [(torch.randint(1, 50, (n,), generator=g), p) for n, p in ((23, 5), (11, 3), (17, 9))]
+    batch = pad_batch(seqs, [0, 1, 2], pad_id=0)
+    hidden, target_next = target_features(target, batch, cfg.target_layer_ids)
+    anchors, valid = sample_anchors(batch, max_anchors=6, seed=0, epoch=0)
+    assert int(valid.sum()) == 6 + 6 + 6  # every sequence has >= 6 supervised anchors
+    parts = AnchoredLoss(model, "target", 3.0)(batch.tokens, batch.lengths, hidden, target_next, anchors, valid,
+                                              embed.weight, head_w)
+    ref_sum, ref_w = 0.0, 0.0
+    for n, (ids, p) in enumerate(seqs):
+        T = ids.shape[0]
+        s, w = reference_sequence_parts(model, ids, hidden[n, :T], target_next[n, :T], p,
+                                        anchors[n][valid[n]].tolist(), embed, head_w, 3.0)
+        ref_sum, ref_w = ref_sum + s, ref_w + w
+    assert abs(float(parts.weight) - float(ref_w)) < 1e-9
+    assert abs(float(parts.weighted_ce / parts.weight) - float(ref_sum / ref_w)) < 1e-6
+    # the gradient flows to the drafter, never to the frozen target
+    (parts.weighted_ce / parts.weight).backward()
+    assert model.fc.weight.grad is not None and float(model.fc.weight.grad.abs().sum()) > 0
+    assert target.get_output_embeddings().weight.grad is None
+
+
+def test_padding_never_changes_a_sequence_loss():
+    """A sequence alone and the same sequence beside a longer one give the same sums."""
+    target = make_model(50, seed=3, layers=4, hidden=32)
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=1, block_size=4)
+    model = ConditionedDraftModel(cfg).double()
+    embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(2)
+    short, long = (torch.randint(1, 50, (9,), generator=g), 2), (torch.randint(1, 50, (30,), generator=g), 4)
+    sums = []
+    for seqs, idx in (([short], [7]), ([short, long], [7, 8])):
+        batch = pad_batch(seqs, idx, pad_id=0)
+        hidden, nxt = target_features(target, batch, cfg.target_layer_ids)
+        anchors, valid = sample_anchors(batch, 5, seed=0, epoch=0)
+        valid[1:] = False  # only the short sequence counts
+        sums.append(AnchoredLoss(model, "target", 7.0)(batch.tokens, batch.lengths, hidden, nxt, anchors, valid,
+                                                       embed.weight, head_w))
+    assert abs(float(sums[0].weighted_ce) - float(sums[1].weighted_ce)) < 1e-9
+    assert int(sums[0].slots) == int(sums[1].slots)
+
+
+def test_anchors_are_response_positions_and_depend_only_on_the_sequence():
+    g = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(1, 50, (n,), generator=g), p) for n, p in ((40, 10), (12, 11), (25, 3))]
+    a1, v1 = sample_anchors(pad_batch(seqs, [4, 5, 6], 0), 8, seed=1, epoch=2)
+    for n, (ids, p) in enumerate(seqs):
+        picked = a1[n][v1[n]]
+        assert len(set(picked.tolist())) == picked.numel() == min(8, ids.shape[0] - 1 - (p - 1))
+        assert int(picked.min()) >= p - 1 and int(picked.max()) < ids.shape[0] - 1
+    # the same sequence (by index) draws the same anchors in another batch: ranks agree with one process
+    a2, v2 = sample_anchors(pad_batch([seqs[2]], [6], 0), 8, seed=1, epoch=2)
+    assert torch.equal(a2[0][v2[0]], a1[2][v1[2]])
+    a3, v3 = sample_anchors(pad_batch([seqs[2]], [6], 0), 8, seed=1, epoch=3)
+    assert not torch.equal(a3[0][v3[0]], a1[2][v1[2]])
+
+
+def test_epoch_batches_cover_every_sequence_once_and_ranks_split_them():
+    lengths = [5 + (i * 7) % 40 for i in range(103)]
+    batches = epoch_batches(lengths, 4, seed=0, epoch=0)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(103))
+    assert batches == epoch_batches(lengths, 4, seed=0, epoch=0)
+    assert batches != epoch_batches(lengths, 4, seed=0, epoch=1)
+    b = batches[0]
+    assert sorted(rank_share(b, 0, 2) + rank_share(b, 1, 2)) == sorted(b)
