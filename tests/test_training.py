@@ -183,7 +183,8 @@ def test_bad_requests_are_named_before_the_model_loads(tmp_path, store, monkeypa
     for bad, match in (({"steps": 0}, "must be positive"), ({"max_time": 0.0}, "must be positive"),
                        ({"max_tokens": -5}, "must be positive"), ({"epochs": 0.0}, "must be positive"),
                        ({"seq_len": 4}, "no room"), ({"slot_decay": 0.0}, "slot-decay"),
-                       ({"kind": "eagle"}, "unknown drafter kind")):
+                       ({"kind": "eagle"}, "unknown drafter kind"), ({"kind": "block", "feature_cache": True}, "feature-cache"),
+                       ({"data_fraction": 1.5}, "data-fraction")):
         with pytest.raises(DiffspecError, match=match):
             train_drafter(request(tmp_path, "nowhere", store, **{"steps": 1, **bad}))
 
@@ -321,3 +322,45 @@ def test_two_gloo_processes_match_one_process(tmp_path, tiny_model_dir, store, k
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-4)
     assert [r["tokens"] for r in rows] == [json.loads(l)["tokens"] for l in open(tmp_path / "one" / "train_log.jsonl")]
     assert json.loads((tmp_path / "two" / "training.json").read_text())["machine"]["processes"] == 2
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, tiny_model_dir, store):
+    from diffspec import DiffspecError
+    train_drafter(request(tmp_path, tiny_model_dir, store, steps=3))
+    with pytest.raises(DiffspecError, match="batch_sequences was 2, now 4"):
+        train_drafter(request(tmp_path, tiny_model_dir, store, steps=6, batch_sequences=4, resume=True))
+
+
+def test_held_out_prompts_never_train_and_shares_are_nested(tmp_path, tiny_model_dir, corpus):
+    """A store answered greedily and sampled holds two sequences per prompt: the held-out split is by
+    prompt, so no held-out prompt is trained on; a smaller --data-fraction is a prefix of a larger one."""
+    from types import SimpleNamespace
+    from diffspec.training.distributed import World
+    from diffspec.training.run import load_training_data
+    from diffspec.training.store import build_store
+    build_store(tmp_path / "two", Target.load(str(tiny_model_dir)), load_corpus(str(corpus)), max_new_tokens=12,
+                max_prompt_tokens=48, batch_size=8, temperatures=(0.0, 0.7), progress=False)
+    no_target = SimpleNamespace(tokenizer_fingerprint=None)
+    split = {f: load_training_data(request(tmp_path, tiny_model_dir, tmp_path / "two", data_fraction=f, held_out=6),
+                                   no_target, World(), None) for f in (0.5, 1.0)}
+    train, held, _ = split[1.0]
+    prompt = lambda s: tuple(s[0][: s[1]].tolist())
+    assert len(held) >= 2 and len({prompt(s) for s in held}) == len(held)
+    assert not {prompt(s) for s in held} & {prompt(s) for s in train}
+    from collections import Counter
+    assert max(Counter(prompt(s) for s in train).values()) == 2  # greedy and sampled answers of one prompt
+    half, held_half, _ = split[0.5]
+    assert [prompt(s) for s in held_half] == [prompt(s) for s in held]
+    assert [s[0].tolist() for s in half] == [s[0].tolist() for s in train[: len(half)]] and len(half) < len(train)
+
+
+def test_feature_cache_runs_the_target_once_per_sequence(tmp_path, tiny_model_dir, store, monkeypatch):
+    import diffspec.training.run as run
+    calls = []
+    real = run.target_features
+    monkeypatch.setattr(run, "target_features", lambda model, batch, layers: calls.append(batch.index.tolist()) or
+                        real(model, batch, layers))
+    record = train_drafter(request(tmp_path, tiny_model_dir, store, epochs=2.0, feature_cache=True, batch_sequences=4))
+    seen = [i for c in calls for i in c]
+    assert record["epochs"] == pytest.approx(2.0) and sorted(seen) == sorted(set(seen))  # never twice
+    assert len(seen) == record["train_sequences"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,8 @@ def join_world(device: str) -> World:
     if device.startswith("cuda"):
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if not dist.is_initialized():  # a long timeout: rank 0 writes checkpoints while the others wait
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(hours=2))
     return World(rank=dist.get_rank(), size=dist.get_world_size(), device=device)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -80,6 +81,11 @@ class TrainRequest:
     quiet: bool = False
 
 
+# what a resumed run must share with the run that wrote the checkpoint (the batches, anchors and model depend on them)
+RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
+                 "objective", "draft_vocab", "held_out")
+
+
 def _say(req: TrainRequest, msg: str, world: World = World()) -> None:
     if not req.quiet and world.main:
         print(f"diffspec train-drafter: {msg}", file=sys.stderr, flush=True)
@@ -111,6 +117,19 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"--eval-anchors must be positive, got {req.eval_anchors}")
     if not 0 < req.data_fraction <= 1:
         raise DiffspecError(f"--data-fraction must be in (0, 1], got {req.data_fraction}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and req.data is None:
+        raise DiffspecError("under torchrun give --data STORE (make it first with `diffspec make-data`): one rank "
+                            "building the store while the others wait would outlast the process group's timeout")
+    if req.batch_sequences < world:
+        raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world} processes")
+    if req.feature_cache and req.kind != "conditioned":
+        raise DiffspecError("--feature-cache applies to --kind conditioned (the block kind reads no target features)")
+    if req.eval_prompts:
+        from ..datasets import SETS
+        from .data import package_file
+        for name in SETS:  # the health check at the end must not fail after the training
+            package_file(*SETS[name])
     if req.data is not None:
         from .store import read_store
         read_store(req.data)  # reads the manifest only: a missing or foreign folder is named now, not after the model loads
@@ -163,14 +182,20 @@ def load_training_data(req: TrainRequest, target, world: World, deadline: Option
     seqs = [(ids, p) for ids, p in seqs if ids.shape[0] - p >= 2]   # at least one supervised anchor
     if not seqs:
         raise DiffspecError(f"the token store {path} holds no answer to train on")
+    # held out by prompt, never by sequence: a prompt answered at several temperatures has all its
+    # answers on one side (the held-out check regenerates the greedy answer of each held-out prompt)
+    groups: dict = {}
+    for i, (ids, p) in enumerate(seqs):
+        groups.setdefault(tuple(ids[:p].tolist()), []).append(i)
+    prompts = list(groups.values())
     g = torch.Generator().manual_seed(req.seed)
-    order = torch.randperm(len(seqs), generator=g).tolist()
-    held = min(req.held_out, max(2, len(seqs) // 20)) if len(seqs) >= 8 else 0
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    held = min(req.held_out, max(2, len(prompts) // 20)) if len(prompts) >= 8 else 0
     # held out first, then the share: every --data-fraction keeps the same held-out set, and a smaller
     # share is a subset of a larger one (the scaling ladder compares like with like)
-    rest = order[held:]
+    rest = [i for k in order[held:] for i in prompts[k]]
     train = [seqs[i] for i in rest[: max(1, round(req.data_fraction * len(rest)))]]
-    return train, [seqs[i] for i in order[:held]], store.manifest
+    return train, [seqs[prompts[k][0]] for k in order[:held]], store.manifest
 
 
 class ConditionedTrainer:
@@ -207,9 +232,9 @@ class ConditionedTrainer:
                 return hidden, nxt
             for row, i in enumerate(idx):
                 n = int(batch.lengths[row])
-                self.cache[i] = (hidden[row, :n].to(torch.float16).cpu(), nxt[row, :n].cpu())
+                self.cache[i] = (hidden[row, :n].to(torch.bfloat16).cpu(), nxt[row, :n].cpu())
         L = batch.tokens.shape[1]
-        hidden = torch.zeros(len(idx), L, self.cache[idx[0]][0].shape[-1], dtype=torch.float16)
+        hidden = torch.zeros(len(idx), L, self.cache[idx[0]][0].shape[-1], dtype=torch.bfloat16)
         nxt = torch.zeros(len(idx), L, dtype=torch.long)
         for row, i in enumerate(idx):
             h, t = self.cache[i]
@@ -302,8 +327,6 @@ def _train(req: TrainRequest, world: World) -> dict:
     train, held, manifest = load_training_data(req, target, world, deadline)
     _say(req, f"{len(train)} training sequences ({sum(int(i.shape[0]) - p for i, p in train)} response tokens), "
               f"{len(held)} held out", world)
-    if req.batch_sequences < world.size:
-        raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world.size} processes")
     trainer = (ConditionedTrainer if req.kind == "conditioned" else BlockTrainer)(req, target, train, world.device)
     trainer.record.update(train_sequences=len(train), train_response_tokens=sum(int(i.shape[0]) - p for i, p in train),
                           held_out_sequences=len(held))
@@ -312,8 +335,15 @@ def _train(req: TrainRequest, world: World) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=req.lr, weight_decay=req.weight_decay, betas=(0.9, 0.95))
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "elapsed": 0.0, "log": []}
     ckpt = out / "checkpoint.pt"
+    same_run = {k: getattr(req, k) for k in RESUME_FIELDS}
+    same_run["data"] = str(Path(req.data).resolve()) if req.data else None
     if req.resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False, map_location=world.device)
+        changed = {k: (saved.get("same_run", {}).get(k), v) for k, v in same_run.items()
+                   if saved.get("same_run", {}).get(k) != v}
+        if changed:
+            raise DiffspecError("--resume with other settings than the checkpoint's would train on other batches: " +
+                                ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
@@ -322,6 +352,8 @@ def _train(req: TrainRequest, world: World) -> dict:
     _say(req, f"training matmuls in {str(amp_dtype).replace('torch.', '')} ({why})", world)
     lengths = [int(ids.shape[0]) for ids, _ in train]
     batches_per_epoch = len([b for b in epoch_batches(lengths, req.batch_sequences, req.seed, 0) if len(b) >= world.size])
+    if not batches_per_epoch:
+        raise DiffspecError(f"{len(train)} training sequences cannot feed {world.size} processes")
     total_steps = max(1, math.ceil(req.epochs * batches_per_epoch))
     t_loop = time.time() - state["elapsed"]
     train_budget_s = (deadline - time.time()) + state["elapsed"] if deadline else None
@@ -336,8 +368,10 @@ def _train(req: TrainRequest, world: World) -> dict:
 
     def checkpoint() -> None:
         state["elapsed"] = time.time() - t_loop
-        if world.main:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+        if world.main:  # written aside, then renamed: a kill mid-save leaves the previous checkpoint whole
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                        "same_run": same_run}, ckpt.with_suffix(".tmp"))
+            os.replace(ckpt.with_suffix(".tmp"), ckpt)
 
     from tqdm import tqdm
 
@@ -390,8 +424,7 @@ def _train(req: TrainRequest, world: World) -> dict:
         machine["processes"] = world.size
         record = _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine, t_start, out,
                          batches_per_epoch)
-    barrier(world)
-    return record
+    return record  # the other ranks leave at once: rank 0's health check may take minutes
 
 
 def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine, t_start, out, batches_per_epoch) -> dict:
@@ -409,6 +442,19 @@ def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine
               **trainer.record, "final_loss": log[-1]["loss"] if log else None,
               "train_dtype": str(amp_dtype).replace("torch.", ""), "train_dtype_choice": why, "machine": machine}
     drafter = trainer.drafter()
+
+    def write() -> None:
+        record["wall_seconds"] = round(time.time() - t_start, 1)
+        save_drafter(drafter, out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
+                     training=record)
+        (out / "training.json").write_text(json.dumps(record, indent=1))
+
+    # the drafter and the log first: a health check that fails cannot lose the training
+    write()
+    with open(out / "train_log.jsonl", "w") as f:
+        for row in log:
+            f.write(json.dumps(row) + "\n")
+    _save_plot(log, out / "loss.png")
     if held:
         health = evaluate_drafter(drafter, target, prompts={"held-out": [ids[:p].tolist() for ids, p in held]},
                                   num_prompts=len(held), max_new_tokens=req.eval_tokens, block_size=req.block_size,
@@ -422,14 +468,7 @@ def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine
         write_health(health, out / "health")
         record["health"] = health.to_dict()
         _say(req, "health check:\n" + health.table())
-    record["wall_seconds"] = round(time.time() - t_start, 1)
-    save_drafter(drafter, out / "drafter", target_name=target.name, target_vocab_size=target.vocab_size,
-                 training=record)
-    with open(out / "train_log.jsonl", "w") as f:
-        for row in log:
-            f.write(json.dumps(row) + "\n")
-    (out / "training.json").write_text(json.dumps(record, indent=1))
-    _save_plot(log, out / "loss.png")
+    write()
     _say(req, f"done: {state['step']} steps, {state['tokens']} supervised slots; drafter in {out / 'drafter'}")
     return record
 
