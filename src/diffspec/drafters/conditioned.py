@@ -98,10 +98,13 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (half-split convention). x [heads, n, d], positions [n]."""
+    """Rotary position embedding (half-split convention). x [heads, n, d] with positions [n], or a batch:
+    x [N, heads, n, d] with positions [N, n] (training/anchored.py)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq                     # [..., n, d/2]
+    if positions.dim() > 1:
+        angles = angles.unsqueeze(-3)                                       # [N, 1, n, d/2]: every head alike
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]

@@ -27,19 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters.conditioned import ConditionedDraftModel
+from ..drafters.conditioned import ConditionedDraftModel, rotary
 from .batches import slot_weights
-
-
-def rotary_batched(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split, as drafters.conditioned.rotary). x [N, heads, n, d], positions [N, n]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions.float()[..., None] * inv_freq                       # [N, n, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(x.dtype)  # [N, 1, n, d]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -67,11 +56,11 @@ def anchored_attention(attn, x: torch.Tensor, positions: torch.Tensor, ctx: torc
     B, M, N, A, C = block_size, layout.anchor.shape[0], layout.rows, layout.width, ctx.shape[1]
     H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     rep = H // KV
-    q = rotary_batched(attn.q_norm(_heads(attn.q_proj(x).view(M, B, -1), H, d)), positions, cfg.rope_theta)
-    k_b = rotary_batched(attn.k_norm(_heads(attn.k_proj(x).view(M, B, -1), KV, d)), positions, cfg.rope_theta)
+    q = rotary(attn.q_norm(_heads(attn.q_proj(x).view(M, B, -1), H, d)), positions, cfg.rope_theta)
+    k_b = rotary(attn.k_norm(_heads(attn.k_proj(x).view(M, B, -1), KV, d)), positions, cfg.rope_theta)
     v_b = _heads(attn.v_proj(x).view(M, B, -1), KV, d)
     ctx_pos = torch.arange(C, device=x.device).expand(N, C)
-    k_c = rotary_batched(attn.k_norm(_heads(attn.k_proj(ctx), KV, d)), ctx_pos, cfg.rope_theta).repeat_interleave(rep, 1)
+    k_c = rotary(attn.k_norm(_heads(attn.k_proj(ctx), KV, d)), ctx_pos, cfg.rope_theta).repeat_interleave(rep, 1)
     v_c = _heads(attn.v_proj(ctx), KV, d).repeat_interleave(rep, 1)                   # [N, H, C, d]
     k_b, v_b = k_b.repeat_interleave(rep, 1), v_b.repeat_interleave(rep, 1)           # [M, H, B, d]
     scale = 1.0 / math.sqrt(d)
