@@ -1,10 +1,11 @@
-"""Drafters used only by tests."""
+"""Drafters and policies used only by tests."""
 
 from __future__ import annotations
 
 import torch
 
 from diffspec.drafters.base import Drafter, DrafterCapabilities, DraftBuilder
+from diffspec.policies import LengthPolicy
 
 
 class RandomDrafter(Drafter):
@@ -44,3 +45,24 @@ class ScriptedDrafter(Drafter):
             for tok in rest[len(builder): len(builder) + k]:
                 builder.add(tok, self.confidence)
         return builder.build(0)
+
+
+class AlternatingPolicy(LengthPolicy):
+    """Drafts `gamma` tokens in a round and switches speculation off in the next (plan_round -> ()),
+    from the first round of each request: rounds 1, 3, 5 .. draft, rounds 2, 4, 6 .. are plain steps."""
+
+    name = "alternating"
+
+    def __init__(self, gamma: int = 3):
+        self.gamma = gamma
+        self.planned = 0
+
+    def begin_request(self, greedy):
+        self.planned = 0
+
+    def plan_round(self, context_len, sources):
+        self.planned += 1
+        return tuple(sources) if self.planned % 2 else ()
+
+    def next_increment(self, confidences):
+        return self.gamma if not confidences else 0

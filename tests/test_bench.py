@@ -2,21 +2,24 @@
 with every output file, the built-in lossless check, and CLI errors. Tiny models only (fast)."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
 
-from conftest import make_model
-from diffspec import DiffspecError, SpeculativeEngine, make_policy
+from conftest import make_model, reference_greedy
+from helpers import AlternatingPolicy
+from diffspec import AutoregressiveDrafter, DiffspecError, SpeculativeEngine, make_policy
 from diffspec.bench import (METHODS, BenchConfig, MethodDef, Param, best_per_dataset, expand_methods,
                             load_bench_prompts, load_jsonl_prompts, run_bench, summarize)
-from diffspec.bench.methods import EngineRunner, Outcome
+from diffspec.bench.methods import EngineRunner, Outcome, parse_method
 from diffspec.cli import main
 from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 
 ROW_KEYS = {"method", "dataset", "prompt_id", "wall_time_s", "new_tokens", "tokens_per_s", "mean_accepted_length",
             "target_forward_passes", "drafter_forward_passes", "token_ids", "lossless", "speedup", "draft_time_s",
-            "verify_time_s", "round_drafted", "round_accepted"}
+            "verify_time_s", "round_drafted", "round_accepted", "speculation_off_rounds", "draft_length_histogram"}
+SUMMARY_ROUND_KEYS = {"rounds", "speculation_off_rounds", "speculation_off_share", "draft_length_histogram"}
 
 
 @pytest.fixture()
@@ -37,6 +40,38 @@ def tiny_block_method():
         return EngineRunner(SpeculativeEngine(target, drafter, make_policy("failfast", tau=values["tau"], n=4,
                                                                            n_max=12)))
     return MethodDef("tiny-block", "test drafter", (Param("tau", float, 0.45),), build)
+
+
+def alternating_method():
+    """The target drafting for itself (every draft accepted), speculation switched off every other round."""
+    def build(target, values):
+        drafter = AutoregressiveDrafter(target.model, target.tokenizer, name="ar:self")
+        return EngineRunner(SpeculativeEngine(target, drafter, AlternatingPolicy(gamma=3)))
+    return MethodDef("alternating", "self-drafting, speculation off every other round", (), build)
+
+
+def check_round_fields(row):
+    """What every row's speculation-off count and draft-length histogram must agree with."""
+    hist, off = row["draft_length_histogram"], row["speculation_off_rounds"]
+    assert all(isinstance(k, str) for k in hist)  # as JSON writes them: the file and the rows agree
+    assert hist == {str(k): n for k, n in sorted(Counter(row["round_drafted"]).items())}
+    assert sum(hist.values()) == (row["rounds"] or 0)
+    assert sum(int(k) * n for k, n in hist.items()) == row["drafted_tokens"]
+    assert 0 <= off <= hist.get("0", 0)  # an off round verifies no drafted token
+
+
+def check_summary_round_fields(entry, rows):
+    """A summary entry's round figures are the sums of its rows'."""
+    rows = [r for r in rows if r["method"] == entry["method"] and entry["dataset"] in ("all", r["dataset"])]
+    rounds = sum(r["rounds"] or 0 for r in rows)
+    assert entry["rounds"] == (rounds or None)
+    assert entry["speculation_off_rounds"] == sum(r["speculation_off_rounds"] for r in rows)
+    assert entry["speculation_off_share"] == (round(entry["speculation_off_rounds"] / rounds, 4) if rounds else None)
+    total = Counter()
+    for r in rows:
+        total.update({k: n for k, n in r["draft_length_histogram"].items()})
+    assert entry["draft_length_histogram"] == {k: total[k] for k in sorted(total, key=int)}
+    assert list(entry["draft_length_histogram"]) == sorted(entry["draft_length_histogram"], key=int)
 
 
 def broken_method():
@@ -109,6 +144,22 @@ def test_method_specs_and_sweep():
         expand_methods(["plain", "plain"])
     with pytest.raises(DiffspecError, match="accepts that parameter"):
         expand_methods(["plain", "hf-generate"], ["tau=0.3"])
+
+
+def test_every_method_that_names_a_policy_accepts_auto():
+    assert parse_method("auto").values(METHODS) == {"drafter_dtype": "auto"}
+    combined = parse_method("combined:policy=failfast").values(METHODS)
+    assert combined["policy"] == "failfast" and combined["drafter"] == "prompt-lookup+conditioned"
+    assert parse_method("combined").values(METHODS)["policy"] == "auto"
+    assert parse_method("prompt-lookup:policy=auto").values(METHODS)["policy"] == "auto"
+    assert parse_method("ar:drafter=x,policy=auto").values(METHODS)["policy"] == "auto"
+    for method in METHODS.values():
+        if method.accepts("policy"):
+            assert "auto" in method.param("policy").help
+    with pytest.raises(DiffspecError, match=r"unknown policy 'bogus' \(choose from: auto, fixed, failfast\)"):
+        parse_method("prompt-lookup:policy=bogus")
+    with pytest.raises(DiffspecError, match="two drafters or more as A\\+B"):
+        parse_method("combined:drafter=prompt-lookup")
 
 
 # --- summary statistics ------------------------------------------------------------------------
@@ -252,7 +303,13 @@ def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, cap
         assert ROW_KEYS <= set(r)
         assert r["lossless"] is True and r["dataset"] == "mine" and len(r["wall_times_s"]) == 2
         assert r["new_tokens"] == len(r["token_ids"]) > 0 and r["target_forward_passes"] > 0
+        check_round_fields(r)
+        assert r["speculation_off_rounds"] == 0  # no policy here switches speculation off
     by = {(r["method"], r["prompt_id"]): r for r in rows}
+    plain = by[("plain", "copy")]
+    assert plain["draft_length_histogram"] == {"0": plain["rounds"]} and plain["rounds"] == plain["new_tokens"]
+    assert by[("hf-generate", "copy")]["draft_length_histogram"] == {}  # HF methods count no rounds
+    assert sum(by[("tiny-block[tau=0.0]", "copy")]["draft_length_histogram"].values()) > 0
     assert by[("plain", "copy")]["speedup"] == 1.0 and by[("plain", "copy")]["mean_accepted_length"] == 1.0
     hf = by[("hf-generate", "copy")]
     assert hf["target_forward_passes"] == hf["new_tokens"] and hf["draft_time_s"] is None  # counted by the hook
@@ -264,6 +321,13 @@ def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, cap
     assert {"cpu", "cpu_flags", "threads", "torch", "transformers", "commit"} <= set(record["machine"])
     assert set(record["machine"]["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert record["best"]["mine"] in names and len(record["summary"]) == len(names)
+    for entry in record["summary"]:
+        assert SUMMARY_ROUND_KEYS <= set(entry)
+        check_summary_round_fields(entry, rows)
+    entries = {e["method"]: e for e in record["summary"]}
+    assert entries["plain"]["speculation_off_share"] == 0.0
+    assert list(entries["plain"]["draft_length_histogram"]) == ["0"]
+    assert entries["hf-generate"]["rounds"] is None and entries["hf-generate"]["speculation_off_share"] is None
     ratios = {e["method"]: e["throughput_ratio"] for e in record["summary"]}
     assert ratios["plain"] == 1.0 and all(isinstance(v, float) and v > 0 for v in ratios.values())
     weights = {m["name"]: m for m in record["methods"]}
@@ -271,6 +335,61 @@ def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, cap
     md = (out / "summary.md").read_text()
     assert "diffspec bench (test)" in md and "Machine:" in md and "**best**" in md and "| mine | conditioned |" in md
     assert "| dataset | method | prompts | throughput ratio | per-prompt speedup mean | median | min-max |" in md
+    assert "| dataset | method | rounds | speculation off | share off | k histogram |" in md
+    assert f"| mine | plain | {entries['plain']['rounds']} | 0 | 0.0% | k0:{entries['plain']['rounds']} |" in md
+    lengths = md.split("## Draft lengths")[1].split("## Methods")[0]
+    assert "| mine | tiny-block[tau=0.0] |" in lengths and "hf-" not in lengths  # HF methods count no rounds
+
+
+def test_speculation_off_rounds_are_counted_and_the_output_stays_the_targets(target, tiny_model, prompt_file, tmp_path):
+    registry = dict(METHODS, alternating=alternating_method())
+    config = BenchConfig(dataset=str(prompt_file), num_prompts=2, max_new_tokens=16, methods=("alternating",),
+                         quiet=True)
+    out = tmp_path / "out"
+    result = run_bench(config, target, registry=registry, out=str(out))
+    assert result.exit_code == 0
+    prompts = {p.prompt_id: p.text for p in load_bench_prompts(str(prompt_file), 2)}
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    mine = [r for r in rows if r["method"] == "alternating"]
+    assert len(mine) == 2
+    for r in mine:
+        check_round_fields(r)
+        ids = target.encode_prompt(prompts[r["prompt_id"]], chat=True)
+        assert r["token_ids"] == reference_greedy(tiny_model, ids, 16) and r["lossless"] is True
+        drafted = r["round_drafted"]
+        assert drafted[0] == 3 and all(k == 0 for k in drafted[1::2])  # every other round is a plain step
+        off = r["speculation_off_rounds"]
+        assert off > 0 and abs(off - r["rounds"] // 2) <= 1  # the last round (no room to draft) is not "off"
+        assert r["drafted_tokens"] > 0 and r["accepted_tokens"] == r["drafted_tokens"]  # on rounds did draft
+    record = json.loads((out / "summary.json").read_text())
+    for entry in record["summary"]:
+        check_summary_round_fields(entry, rows)
+    entry = next(e for e in record["summary"] if e["method"] == "alternating")
+    assert entry["speculation_off_rounds"] == sum(r["speculation_off_rounds"] for r in mine) > 0
+    assert 0.3 < entry["speculation_off_share"] < 0.6
+    md = (out / "summary.md").read_text()
+    assert (f"| mine | alternating | {entry['rounds']} | {entry['speculation_off_rounds']} | "
+            f"{100 * entry['speculation_off_share']:.1f}% | k0:") in md
+
+
+def test_auto_and_combined_methods_run_lossless(target, prompt_file, tmp_path, monkeypatch):
+    """The default method and combined drafters, with the auto policy (which measures this machine's costs:
+    into a scratch cache) and with FailFast; each row's round figures agree with one another."""
+    monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path / "cache"))
+    config = BenchConfig(dataset=str(prompt_file), num_prompts=1, max_new_tokens=10, quiet=True,
+                         methods=("auto", "combined", "prompt-lookup:policy=auto", "combined:policy=failfast"))
+    result = run_bench(config, target)
+    assert result.exit_code == 0 and {r["lossless"] for r in result.rows} == {True}
+    methods = {m["name"]: m for m in result.methods}
+    assert methods["auto"]["policy"].startswith("auto(") and methods["auto"]["weights"].startswith("prompt-lookup")
+    assert methods["combined"]["policy"].startswith("auto(") and "+conditioned" in methods["combined"]["weights"]
+    assert methods["prompt-lookup:policy=auto"]["policy"].startswith("auto(")
+    assert methods["combined:policy=failfast"]["policy"].startswith("failfast(")
+    for r in result.rows:
+        check_round_fields(r)
+        assert r["rounds"] > 0
+    for entry in summarize(result.rows):
+        check_summary_round_fields(entry, result.rows)
 
 
 def test_sampling_leaves_lossless_null(target, prompt_file):
@@ -310,8 +429,8 @@ def test_cli_exits_1_on_a_lossless_failure(tiny_model_dir, prompt_file, tmp_path
 def test_cli_list_methods(capsys):
     assert main(["bench", "--list-methods"]) == 0
     out = capsys.readouterr().out
-    for name in ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup", "ar", "specdiff", "dllm-fixed",
-                 "failfast", "conditioned", "conditioned-failfast"):
+    for name in ("hf-generate", "plain", "hf-prompt-lookup", "auto", "combined", "prompt-lookup", "ar", "specdiff",
+                 "dllm-fixed", "failfast", "conditioned", "conditioned-failfast"):
         assert f"\n{name} " in "\n" + out
 
 
@@ -321,6 +440,7 @@ def test_cli_list_methods(capsys):
     (["--methods", "conditioned:gamma=many"], "parameter gamma must be an integer"),
     (["--methods", "ar"], "needs drafter="),
     (["--methods", "conditioned:drafter_dtype=fp8"], "unknown drafter dtype 'fp8'"),
+    (["--methods", "combined:policy=greedy"], "unknown policy 'greedy'"),
     (["--sweep", "tau"], "--sweep takes PARAM=V1,V2"),
     (["--dataset", "EMPTY"], "has no prompts"),
     (["--dataset", "nowhere.jsonl"], "prompt file not found"),

@@ -3,7 +3,8 @@
 The main server drafts with the target itself (an AR drafter that accepts everything, gamma 4), so
 every round emits a block of 5 tokens: stop strings are tested inside one block and across two.
 The slow server drafts nothing but sleeps 50 ms per round and has no stop tokens, so a request
-runs exactly as long as asked: it makes queueing and disconnects observable.
+runs exactly as long as asked: it makes queueing and disconnects observable. The alternating server
+self-drafts too, with a policy that switches speculation off every other round.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import AlternatingPolicy
 from diffspec import AutoregressiveDrafter, Draft, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.drafters.base import Drafter
 from diffspec.server import ServerConfig, ServerThread
@@ -67,6 +69,14 @@ def slow_server(tiny_model, tokenizer):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def alternating_server(tiny_model, tokenizer):
+    engine = SpeculativeEngine(Target(tiny_model, tokenizer, name="tiny"), AutoregressiveDrafter(tiny_model, tokenizer),
+                               AlternatingPolicy(gamma=3))
+    with ServerThread(engine, ServerConfig("tiny")) as srv:
+        yield srv
+
+
 @pytest.fixture()
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -74,6 +84,18 @@ def client(server):
 
 def chat(content):
     return [{"role": "user", "content": content}]
+
+
+def check_round_fields(spec, result=None):
+    """A `speculative` object's speculation-off count and draft-length histogram agree with its other
+    figures, and with the engine's own result when one is given."""
+    hist, off = spec["draft_length_histogram"], spec["speculation_off_rounds"]
+    assert sum(hist.values()) == spec["rounds"] and all(isinstance(k, str) for k in hist)
+    assert sum(int(k) * n for k, n in hist.items()) == spec["drafted_tokens"]
+    assert 0 <= off <= hist.get("0", 0)
+    if result is not None:
+        assert spec["rounds"] == result.num_rounds and off == result.speculation_off_rounds
+        assert hist == result.stats_dict()["draft_length_histogram"]
 
 
 def metrics(srv) -> dict:
@@ -113,6 +135,8 @@ def test_openai_client_matches_engine_generate(client, reference):
         spec = out.speculative
         assert spec["drafted_tokens"] == r.drafted_tokens and spec["accepted_tokens"] == r.accepted_tokens
         assert spec["mean_accepted_length"] == pytest.approx(r.mean_accepted_length, abs=1e-3)
+        check_round_fields(spec, r)
+        assert spec["speculation_off_rounds"] == 0 and spec["draft_length_histogram"].get("4", 0) > 0  # fixed gamma 4
 
     text, chunks = stream_chat(client, prompt, max_completion_tokens=24, temperature=0,
                                stream_options={"include_usage": True})
@@ -121,6 +145,7 @@ def test_openai_client_matches_engine_generate(client, reference):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+    check_round_fields(chunks[-1].speculative, ref)
 
     raw = reference.generate("w1 w2 w3", max_new_tokens=12, sampling=GREEDY, chat=False)
     assert raw.text
@@ -257,9 +282,38 @@ def test_metrics_counters_move(client, server):
     assert moved("diffspec_generation_tokens_total") == out.usage.completion_tokens
     assert moved("diffspec_drafted_tokens_total") == out.speculative["drafted_tokens"] > 0
     assert moved("diffspec_accepted_tokens_total") == out.speculative["accepted_tokens"]
+    assert moved("diffspec_engine_rounds_total") == out.speculative["rounds"]
+    assert "diffspec_speculation_off_rounds_total" in after  # exported from the start, also while 0
+    assert moved("diffspec_speculation_off_rounds_total") == out.speculative["speculation_off_rounds"] == 0
     assert moved("diffspec_request_latency_seconds_count") == 1 == moved("diffspec_time_to_first_token_seconds_count")
     assert after["diffspec_mean_accepted_length"] > 1 and after["diffspec_queue_depth"] == 0
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_speculation_off_rounds_reach_the_response_and_the_metrics(alternating_server, reference):
+    """Every other round is a plain step by the policy's choice: the response says how many, the
+    metrics count them, and the text is still the target's greedy text."""
+    c = openai.OpenAI(base_url=alternating_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "w9 w4 w9 w4"
+    ref = reference.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+    before = metrics(alternating_server)
+    out = c.chat.completions.create(model="tiny", messages=chat(prompt), max_tokens=24, temperature=0)
+    after = metrics(alternating_server)
+    assert out.choices[0].message.content == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+    spec = out.speculative
+    check_round_fields(spec)
+    off = spec["speculation_off_rounds"]
+    assert off > 0 and abs(off - spec["rounds"] // 2) <= 1
+    assert spec["drafted_tokens"] > 0 and spec["accepted_tokens"] == spec["drafted_tokens"]  # self-drafting
+    moved = after["diffspec_speculation_off_rounds_total"] - before.get("diffspec_speculation_off_rounds_total", 0)
+    assert moved == off
+    assert after["diffspec_engine_rounds_total"] - before.get("diffspec_engine_rounds_total", 0) == spec["rounds"]
+
+    text, chunks = stream_chat(c, prompt, max_tokens=24, temperature=0, stream_options={"include_usage": True})
+    assert text == ref.text
+    assert chunks[-1].speculative == spec  # the same request again: the same rounds
+    assert metrics(alternating_server)["diffspec_speculation_off_rounds_total"] == after[
+        "diffspec_speculation_off_rounds_total"] + off
 
 
 # --- load and faults (slow server) --------------------------------------------------------------

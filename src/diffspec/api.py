@@ -19,8 +19,8 @@ from .policies import LengthPolicy, make_policy
 from .target import Target
 from .types import GenerationResult, SamplingParams
 
-DEFAULT_DRAFTER = "auto"  # the shipped trained drafter for the target if any, else prompt-lookup
-DEFAULT_POLICY = "failfast"
+DEFAULT_DRAFTER = "auto"  # prompt-lookup (+ the shipped trained drafter for the target, with the auto policy)
+DEFAULT_POLICY = "auto"   # measured costs: draft length per round, speculation off where it loses
 
 _TARGETS: dict = {}
 _ENGINES: dict = {}
@@ -45,7 +45,9 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     if key not in _TARGETS:
         _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
     target = _TARGETS[key]
-    drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype)
+    combine = policy == "auto" or getattr(policy, "name", None) == "auto"
+    drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype,
+                               combine=combine)
     options = dict(policy_options)
     if options.get("gamma") is None and drafter_obj is not None:
         options["gamma"] = drafter_obj.default_gamma

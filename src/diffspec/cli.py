@@ -13,6 +13,8 @@
                            (torchrun --nproc-per-node N -m diffspec train-drafter ... runs it data-parallel)
     diffspec eval-drafter DRAFTER [--model M] [--dataset humaneval mtbench champ] [--num-prompts 10]
                           [--max-new-tokens 128] [--block-size B] [--anchors-per-sequence N] [--out DIR] [--json]
+    diffspec profile [--model M] [--drafter D] [--dtype float32] [--drafter-dtype auto] [--max-context N] [--recalibrate]
+                     [--out DIR] [--json]
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
 """
@@ -41,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (chat template applied unless --raw)")
     g.add_argument("--model", default=None, help=f"target: registered name, folder, .gguf file or hub id (default {DEFAULT_MODEL})")
     g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"one of: {', '.join(DRAFTER_NAMES)} (default {DEFAULT_DRAFTER})")
-    g.add_argument("--policy", default=DEFAULT_POLICY, choices=["fixed", "failfast"], help=f"speculation length (default {DEFAULT_POLICY})")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=["auto", "fixed", "failfast"],
+                   help=f"speculation length (default {DEFAULT_POLICY}: measured costs choose each round's draft length, "
+                        "0 = a plain step where speculation loses)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="auto policy: time this machine's verify and draft costs again instead of reading their cache")
     g.add_argument("--gamma", type=int, default=None,
                    help="fixed policy: tokens drafted per round (default: the drafter's; 16 for masked-diffusion, 8 else)")
     g.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
@@ -111,7 +117,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_parser(sub, DEFAULT_MODEL)
     _add_eval_parser(sub, DEFAULT_MODEL, DRAFTER_NAMES)
     _add_make_data_parser(sub, DEFAULT_MODEL)
+    _add_profile_parser(sub, DEFAULT_MODEL, DRAFTER_NAMES)
     return parser
+
+
+def _add_profile_parser(sub, default_model: str, drafter_names) -> None:
+    p = sub.add_parser("profile", help="show (or measure) this machine's verify and draft costs, as the auto policy sees them",
+                       description="Print the target's verify cost table (ms of one verify pass over k drafted tokens "
+                                   "at a few context lengths, and its ratio to k = 0) and, with --drafter, each "
+                                   "drafter's fitted draft cost. Read from $DIFFSPEC_CACHE/costs (keyed by machine, "
+                                   "model, dtype and drafter) or measured once and cached there.")
+    p.add_argument("--model", default=None, help=f"target (default {default_model})")
+    p.add_argument("--drafter", default=None, help=f"also profile this drafter (each part of A+B): one of: "
+                                                   f"{', '.join(drafter_names)} (default: none, the verify table only)")
+    p.add_argument("--dtype", default="float32", help="target dtype (default float32)")
+    p.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes "
+                                                           "in (default auto, as generate and serve)")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    p.add_argument("--recalibrate", action="store_true", help="measure again instead of reading the cache (and "
+                                                              "replace the cached tables)")
+    p.add_argument("--out", default=None, help="folder for profile.json and verify_cost.png")
+    p.add_argument("--json", action="store_true", help="print one JSON object (profile.json's) instead of the table")
 
 
 def _add_make_data_parser(sub, default_model: str) -> None:
@@ -180,7 +206,10 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
                                    "metrics) over one speculative engine; requests queue in FIFO order.")
     s.add_argument("--model", default=None, help=f"target (default {default_model})")
     s.add_argument("--drafter", default=default_drafter, help=f"one of: {', '.join(drafter_names)} (default {default_drafter})")
-    s.add_argument("--policy", default=default_policy, choices=["fixed", "failfast"], help=f"speculation length (default {default_policy})")
+    s.add_argument("--policy", default=default_policy, choices=["auto", "fixed", "failfast"],
+                   help=f"speculation length (default {default_policy})")
+    s.add_argument("--recalibrate", action="store_true",
+                   help="auto policy: time this machine's verify and draft costs again instead of reading their cache")
     s.add_argument("--gamma", type=int, default=None, help="fixed policy: tokens drafted per round (default: the drafter's)")
     s.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
     s.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
@@ -302,7 +331,7 @@ def _make_data(args) -> int:
 def _generate(args) -> int:
     from .api import load_engine
     from .drafters import DRAFTER_NAMES
-    from .types import SamplingParams
+    from .types import SamplingParams, format_histogram
 
     if args.list_drafters:
         from .drafters import TRAINABLE_KINDS, weights_for
@@ -321,7 +350,8 @@ def _generate(args) -> int:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         quiet=args.json, drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n, n_max=args.n_max)
+                         quiet=args.json, drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n, n_max=args.n_max,
+                         **({"recalibrate": True} if args.recalibrate else {}))
     stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            chat=not args.raw, system=args.system)
     if args.json:
@@ -338,7 +368,8 @@ def _generate(args) -> int:
           f"drafter {engine.drafter.describe() if engine.drafter else 'none'}, policy {engine.policy.describe()} | "
           f"rounds {r.num_rounds}, drafted {r.drafted_tokens}, accepted {r.accepted_tokens}, "
           f"mean accepted length {r.mean_accepted_length:.2f} | forward passes: target {r.target_forward_passes}, "
-          f"drafter {r.drafter_forward_passes} | finish {r.finish_reason}"
+          f"drafter {r.drafter_forward_passes} | speculation off {r.speculation_off_rounds} rounds, "
+          f"k histogram {format_histogram(r.draft_length_histogram)} | finish {r.finish_reason}"
           + "".join(f" | note: {n}" for n in r.notes) + "]", file=sys.stderr)
     return 0
 
@@ -498,6 +529,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .server.run import serve_command
 
             return serve_command(args)
+        if args.command == "profile":
+            from .profile import profile_command
+
+            return profile_command(args)
     except DiffspecError as e:
         print(f"diffspec: error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ the target's own distribution when sampling (temperature / top-k / top-p). A dra
 how many target forward passes that takes.
 
 Each round:
-  1. draft   - the drafter proposes up to `limit` tokens, the policy deciding how many;
+  1. draft   - the policy plans the round (it may run no drafter: a plain step); the drafter proposes
+               up to `limit` tokens, the policy deciding how many, and where cutting cannot bias the
+               output (greedy, or a draft that is a function of the context) how many to verify;
   2. verify  - ONE target forward pass over [last token, d_1..d_k] gives k+1 distributions;
   3. accept  - greedy prefix match or rejection sampling (see verify.py) keeps d_1..d_n and adds
                one recovered or bonus token;
@@ -28,7 +30,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from .drafters.base import Drafter
+from .drafters.base import Drafter, draft_may_be_judged
 from .errors import DiffspecError
 from .policies import FailFastPolicy, LengthPolicy
 from .sampling import make_generator, probs_from_logits
@@ -48,6 +50,7 @@ class SpeculativeEngine:
         self.target = target
         self.drafter = drafter
         self.policy = policy or FailFastPolicy()
+        self.policy.attach(target, drafter)
         cap = drafter.max_tokens_per_round if drafter is not None else None
         # parameters that a drafter's per-round cap makes moot: said once, in every result's stats
         self.notes: tuple = self.policy.cap_notes(cap) if cap is not None else ()
@@ -92,6 +95,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         target.reset()
         passes_before = target.forward_passes
+        policy.begin_request(sampling.greedy)
+        sources = getattr(drafter, "sources", (drafter.name,)) if drafter is not None else ()
         if drafter is not None:
             drafter.begin(tokens)
         if len(prompt_ids) > 1:
@@ -105,10 +110,14 @@ class SpeculativeEngine:
             # 1. draft
             t0 = time.perf_counter()
             limit = max_new_tokens - generated - 1  # the target adds one token of its own
-            if drafter is not None and limit > 0:
+            planned = policy.plan_round(tokens.shape[0], sources) if drafter is not None and limit > 0 else ()
+            draft, costs = Draft.empty(device), ()
+            if planned:
                 draft = drafter.propose(tokens, policy, limit, sampling, generator)
-            else:
-                draft = Draft.empty(device)
+                spent = time.perf_counter() - t0
+                costs = draft.costs or ((draft.source or drafter.name, len(draft), spent),)
+                if len(draft) and draft_may_be_judged(draft, sampling):
+                    draft = draft.prefix(policy.final_length(draft.confidences.tolist(), spent))
             k = len(draft)
             t1 = time.perf_counter()
 
@@ -146,7 +155,9 @@ class SpeculativeEngine:
             stats = RoundStats(drafted=k, accepted=n, emitted=len(emitted), draft_time_s=t1 - t0,
                                verify_time_s=t2 - t1, target_forward_passes=1,
                                drafter_forward_passes=draft.forward_passes,
-                               confidences=tuple(round(c, 4) for c in draft.confidences.tolist()))
+                               confidences=tuple(round(c, 4) for c in draft.confidences.tolist()),
+                               speculation_off=drafter is not None and limit > 0 and not planned,
+                               source=(draft.source or drafter.name) if planned else "", draft_costs=costs)
             policy.update(stats)
             yield emitted, stats, finish
             if finish is not None:

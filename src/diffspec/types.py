@@ -6,7 +6,7 @@ All configs and results are frozen dataclasses; tensors carry a shape comment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -55,12 +55,17 @@ class Draft:
     confidences: [k] float in [0, 1], the drafter's own confidence in each token (what
                  speculation-length policies read).
     forward_passes: drafter model forward passes spent on this draft.
+    source:      which drafter proposed it (a combined drafter's part; "" = the engine's drafter).
+    costs:       ((source, tokens drafted, seconds), ...) for each drafter that ran this round, when a
+                 combined drafter ran several (empty: the engine times the one drafter itself).
     """
 
     tokens: torch.Tensor
     probs: Optional[torch.Tensor]
     confidences: torch.Tensor
     forward_passes: int = 0
+    source: str = ""
+    costs: tuple = ()
 
     def __post_init__(self) -> None:
         k = self.tokens.shape[0]
@@ -78,6 +83,13 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def prefix(self, n: int) -> "Draft":
+        """The first n drafted tokens (a prefix of a draft is a valid draft: same q rows)."""
+        if n >= len(self):
+            return self
+        return replace(self, tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n],
+                       confidences=self.confidences[:n])
+
 
 @dataclass(frozen=True)
 class RoundStats:
@@ -87,6 +99,11 @@ class RoundStats:
     accepted: drafted tokens the target accepted (a prefix of the draft).
     emitted:  tokens appended to the output this round: accepted + the target's own token
               (recovered or bonus), fewer if a stop token or the length limit cut the round.
+    speculation_off: the policy ran no drafter this round (a plain step by choice, not for want of a
+              draft); drafted is then 0.
+    source:   the drafter whose proposal was verified ("" without a drafter).
+    draft_costs: ((source, tokens drafted, seconds), ...) per drafter that ran; `drafted` counts the
+              tokens verified, which a policy may have cut from more drafted.
     """
 
     drafted: int
@@ -97,6 +114,9 @@ class RoundStats:
     target_forward_passes: int
     drafter_forward_passes: int
     confidences: tuple = ()
+    speculation_off: bool = False
+    source: str = ""
+    draft_costs: tuple = ()
 
     @property
     def wall_time_s(self) -> float:
@@ -142,6 +162,15 @@ class GenerationResult:
         return sum(r.emitted for r in self.rounds) / max(1, len(self.rounds))
 
     @property
+    def speculation_off_rounds(self) -> int:
+        return sum(1 for r in self.rounds if r.speculation_off)
+
+    @property
+    def draft_length_histogram(self) -> dict:
+        """{tokens verified in a round: rounds}, speculation-off rounds under 0 with the others."""
+        return draft_length_histogram(self.rounds)
+
+    @property
     def target_forward_passes(self) -> int:
         return self.prefill_forward_passes + sum(r.target_forward_passes for r in self.rounds)
 
@@ -175,6 +204,8 @@ class GenerationResult:
             "draft_time_s": round(self.draft_time_s, 4),
             "verify_time_s": round(self.verify_time_s, 4),
             "prefill_time_s": round(self.prefill_time_s, 4),
+            "speculation_off_rounds": self.speculation_off_rounds,
+            "draft_length_histogram": {str(k): v for k, v in self.draft_length_histogram.items()},
             "finish_reason": self.finish_reason,
             "notes": list(self.notes),
         }
@@ -182,3 +213,16 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": list(self.token_ids),
                 "prompt_token_ids": list(self.prompt_token_ids), "stats": self.stats_dict()}
+
+
+def draft_length_histogram(rounds) -> dict:
+    """{k: rounds that verified k drafted tokens}, sorted by k."""
+    hist: dict = {}
+    for r in rounds:
+        hist[r.drafted] = hist.get(r.drafted, 0) + 1
+    return dict(sorted(hist.items()))
+
+
+def format_histogram(hist: dict) -> str:
+    """{k: rounds} (int or str keys) -> 'k0:12 k3:4' ('-' when empty): the stats line's and the bench's form."""
+    return " ".join(f"k{k}:{n}" for k, n in sorted(hist.items(), key=lambda kv: int(kv[0]))) or "-"

@@ -6,13 +6,15 @@ with specs such as `plain`, `conditioned:gamma=16` or `failfast:tau=0.3,n_max=30
 expands a method into the cross product of parameter values (`failfast[tau=0.3,n_max=30]`).
 
 Every runner generates from prompt token ids and returns an `Outcome`; what it counts:
-- engine methods (`plain`, `prompt-lookup`, `ar`, `specdiff`, `dllm-fixed`, `failfast`,
-  `conditioned`, `conditioned-failfast`): the engine's own statistics (GenerationResult);
+- engine methods (`plain`, `auto`, `combined`, `prompt-lookup`, `ar`, `specdiff`, `dllm-fixed`,
+  `failfast`, `conditioned`, `conditioned-failfast`): the engine's own statistics (GenerationResult),
+  rounds the policy switched speculation off included;
 - `dflash-ref`: the DFlash reference package's own loop on the same weights (DFlashRefRunner);
 - transformers methods (`hf-generate`, `hf-prompt-lookup`): `model.generate` on the target's HF
   model, target forward passes counted by a forward hook. HF's prefill pass also emits the first
   token, so every pass is a round: mean accepted length = new tokens / target passes (1.0 for
-  plain generate, as for the engine's `plain`). Draft/verify split and per-round lists: None.
+  plain generate, as for the engine's `plain`). Draft/verify split and per-round lists: None;
+  speculation-off rounds: 0.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ from ..types import SamplingParams
 class Outcome:
     """One generation of one method on one prompt.
 
-    rounds: (drafted, accepted, emitted) per draft-verify round (engine methods; () for HF).
+    rounds: (drafted, accepted, emitted) per draft-verify round (engine methods; () for HF); drafted
+        counts the tokens verified, so the draft-length histogram is read from these.
     draft_time_s / verify_time_s: None where the method cannot split them (HF methods).
+    speculation_off_rounds: rounds in which the policy ran no drafter (a plain step by choice; 0 for
+        methods without such a policy).
     """
 
     token_ids: tuple
@@ -49,6 +54,7 @@ class Outcome:
     rounds: tuple = ()
     finish_reason: Optional[str] = None
     prefill_time_s: Optional[float] = None
+    speculation_off_rounds: int = 0
 
 
 class Runner:
@@ -82,7 +88,7 @@ class EngineRunner(Runner):
                        drafter_forward_passes=r.drafter_forward_passes, mean_accepted_length=r.mean_accepted_length,
                        draft_time_s=r.draft_time_s, verify_time_s=r.verify_time_s,
                        rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason,
-                       prefill_time_s=r.prefill_time_s)
+                       prefill_time_s=r.prefill_time_s, speculation_off_rounds=r.speculation_off_rounds)
 
 
 class HFRunner(Runner):
@@ -280,9 +286,11 @@ _FAILFAST = (Param("tau", float, 0.45, "FailFast confidence threshold"),
              Param("n", int, 10, "FailFast window increment N"), Param("n_max", int, 60, "FailFast maximum draft length"))
 
 
-def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str = "") -> Callable:
+def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str = "",
+                    combine: bool = False) -> Callable:
     """A builder for an engine method; `drafter`/`policy` None = read them from the values.
-    `prefix` is put before a drafter value that lacks it (ar: drafter=PATH means 'ar:PATH')."""
+    `prefix` is put before a drafter value that lacks it (ar: drafter=PATH means 'ar:PATH');
+    `combine`: drafter `auto` may resolve to a combination (make_drafter's `combine`)."""
 
     def build(target, values: dict) -> Runner:
         from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, make_drafter, set_compute_dtype
@@ -299,7 +307,7 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
         else:
             spec = spec if spec.startswith(prefix) else prefix + spec
             d = make_drafter(spec, target, dtype=target.dtype, device=str(target.device),
-                             compute_dtype=values.get("drafter_dtype"))
+                             compute_dtype=values.get("drafter_dtype"), combine=combine)
         if values.get("steps") is not None:
             if not isinstance(d, MaskedDiffusionDrafter):
                 raise DiffspecError(f"steps applies to masked-diffusion drafters; {d.describe()} is not one")
@@ -331,6 +339,13 @@ def _drafter(default: Optional[str]) -> Param:
     return Param("drafter", str, default, "drafter name or folder")
 
 
+def _check_combination(value: str) -> None:
+    names = value.split("+")
+    if len(names) < 2 or not all(names):
+        raise DiffspecError(f"method 'combined': drafter must name two drafters or more as A+B, e.g. "
+                            f"prompt-lookup+conditioned, got '{value}'")
+
+
 _GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
 
 
@@ -343,6 +358,18 @@ def _check_drafter_dtype(value: str) -> None:
 _DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load) or a dtype",
                        check=_check_drafter_dtype)
 
+
+def _check_policy(value: str) -> None:
+    from ..policies import POLICY_NAMES
+
+    if value not in POLICY_NAMES:
+        raise DiffspecError(f"unknown policy '{value}' (choose from: {', '.join(POLICY_NAMES)})")
+
+
+def _policy(default: str) -> Param:
+    return Param("policy", str, default, "auto, fixed or failfast", check=_check_policy)
+
+
 METHODS: dict = {m.name: m for m in [
     MethodDef("hf-generate", "transformers model.generate on the target's HF model (what users run today)",
               build=_hf_builder(False)),
@@ -351,11 +378,17 @@ METHODS: dict = {m.name: m for m in [
     MethodDef("hf-prompt-lookup", "transformers generate with prompt_lookup_num_tokens",
               (Param("num_tokens", int, 10, "prompt_lookup_num_tokens"),
                Param("max_ngram", int, 2, "max_matching_ngram_size")), _hf_builder(True)),
+    MethodDef("auto", "the default: auto drafter (prompt-lookup+trained drafter where one ships) + auto policy",
+              (_DRAFTER_DTYPE,), _engine_builder("auto", "auto", combine=True)),
+    MethodDef("combined", "two drafters A+B, each round the proposal worth more verified; auto policy by default",
+              (Param("drafter", str, "prompt-lookup+conditioned", "drafters A+B (the cheap one first)",
+                     check=_check_combination), _policy("auto"), _GAMMA) + _FAILFAST + (_DRAFTER_DTYPE,),
+              _engine_builder(None, None)),
     MethodDef("prompt-lookup", "our n-gram drafter, FailFast policy by default",
-              (Param("policy", str, "failfast", "fixed or failfast"), _GAMMA) + _FAILFAST +
+              (_policy("failfast"), _GAMMA) + _FAILFAST +
               (Param("max_ngram", int, 3), Param("min_ngram", int, 2)), _engine_builder("prompt-lookup", None)),
     MethodDef("ar", "an autoregressive draft model (ar:drafter=PATH), fixed gamma by default",
-              (_drafter(None), Param("policy", str, "fixed", "fixed or failfast"), _GAMMA) + _FAILFAST,
+              (_drafter(None), _policy("fixed"), _GAMMA) + _FAILFAST,
               _engine_builder(None, None, prefix="ar:"), required=("drafter",)),
     MethodDef("specdiff", "masked-diffusion drafter, fixed gamma, T denoising steps (SpecDiff)",
               (_drafter("masked-diffusion"), _GAMMA, Param("steps", int, None, "T denoising steps (default: the drafter's)")),

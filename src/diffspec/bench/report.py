@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
 from ..errors import DiffspecError
+from ..types import format_histogram
 
 ALL = "all"
 BASELINE = "plain"
@@ -48,6 +49,30 @@ def _mean(values) -> Optional[float]:
     return round(statistics.fmean(values), 4) if values else None
 
 
+def histogram_from_round_drafted(round_drafted: Sequence[int]) -> dict:
+    """Tokens verified per round -> {"k": rounds that verified k drafted tokens}, sorted by k (string
+    keys, as JSON writes them and as `GenerationResult.stats_dict` gives them)."""
+    counts: dict = {}
+    for k in round_drafted:
+        counts[int(k)] = counts.get(int(k), 0) + 1
+    return {str(k): n for k, n in sorted(counts.items())}
+
+
+def _row_histogram(row: dict) -> dict:
+    """A row's histogram; rows written before it was recorded have their round_drafted list."""
+    hist = row.get("draft_length_histogram")
+    return hist if hist is not None else histogram_from_round_drafted(row.get("round_drafted") or ())
+
+
+def sum_histograms(hists) -> dict:
+    """{"k": rounds} summed over several histograms, sorted by k."""
+    total: dict = {}
+    for hist in hists:
+        for k, n in hist.items():
+            total[int(k)] = total.get(int(k), 0) + n
+    return {str(k): n for k, n in sorted(total.items())}
+
+
 def throughput_ratio(rs: Sequence[dict], baseline: dict) -> Optional[float]:
     """(total new tokens / total wall time of `rs`) / (the same of plain's rows for the same prompts).
 
@@ -71,13 +96,20 @@ def summarize(rows: Sequence[dict]) -> list:
     (plain's time / the method's on each prompt), and other means.
 
     tokens_per_s is aggregate (total new tokens / total wall time); lossless is True when every
-    prompt matched plain, False when any differed, None when not checked (sampling)."""
+    prompt matched plain, False when any differed, None when not checked (sampling).
+
+    rounds: total draft-verify rounds (None when the method does not count them, e.g. HF methods);
+    speculation_off_rounds: rounds the policy ran no drafter in, and speculation_off_share that over
+    rounds (None without rounds); draft_length_histogram: {"k": rounds that verified k drafted
+    tokens} summed over the prompts."""
     baseline = {(r["dataset"], r["prompt_id"]): r for r in rows if r["method"] == BASELINE}
     out = []
     for (dataset, method), rs in _groups(rows):
         speedups = [r["speedup"] for r in rs if r.get("speedup") is not None]
         wall = sum(r["wall_time_s"] for r in rs)
         tokens = sum(r["new_tokens"] for r in rs)
+        rounds = sum(r.get("rounds") or 0 for r in rs)
+        off = sum(r.get("speculation_off_rounds") or 0 for r in rs)
         out.append({
             "dataset": dataset, "method": method, "prompts": len(rs),
             "throughput_ratio": throughput_ratio(rs, baseline),
@@ -93,6 +125,10 @@ def summarize(rows: Sequence[dict]) -> list:
             "drafter_forward_passes_mean": _mean(r["drafter_forward_passes"] for r in rs),
             "draft_time_s_mean": _mean(r.get("draft_time_s") for r in rs),
             "verify_time_s_mean": _mean(r.get("verify_time_s") for r in rs),
+            "rounds": rounds or None,
+            "speculation_off_rounds": off,
+            "speculation_off_share": round(off / rounds, 4) if rounds else None,
+            "draft_length_histogram": sum_histograms(_row_histogram(r) for r in rs),
             "lossless": _lossless(rs),
             "weights": rs[0].get("weights"), "policy": rs[0].get("policy"),
         })
@@ -192,6 +228,18 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
             lines.append(f"| {p['method']} | {p['rounds']} | {p['tokens_per_round']:.2f} | {p['ms_per_round']:.1f} | "
                          f"{p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {_fmt(p['prefill_ms'], '', 1)} | "
                          f"{p['other_ms']:.1f} | {_fmt(p['ms_per_drafter_pass'], '', 1)} |")
+    counted = [e for e in summary if e.get("rounds")]
+    if counted:
+        lines += ["", "## Draft lengths", "",
+                  "Per draft-verify round: speculation off = rounds the policy ran no drafter in (a plain step "
+                  "by choice), and their share of the rounds; k histogram = rounds that verified k drafted "
+                  "tokens (kK:rounds; k0 counts the speculation-off rounds and the rounds with no draft).", "",
+                  "| dataset | method | rounds | speculation off | share off | k histogram |",
+                  "|---|---|---|---|---|---|"]
+        for e in counted:
+            lines.append(f"| {e['dataset']} | {e['method']} | {e['rounds']} | {e['speculation_off_rounds']} | "
+                         f"{_fmt(100 * e['speculation_off_share'], '%', 1)} | "
+                         f"{format_histogram(e['draft_length_histogram'])} |")
     lines += ["", "## Methods", "", "| method | weights | policy | notes |", "|---|---|---|---|"]
     for meth in result.methods:
         notes = "; ".join(meth["notes"]).replace("|", "/") or ""

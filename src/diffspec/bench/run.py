@@ -31,6 +31,7 @@ from ..errors import DiffspecError
 from ..types import SamplingParams
 from .methods import METHODS, build_runner, expand_methods
 from .prompts import load_bench_prompts
+from .report import histogram_from_round_drafted
 
 DEFAULT_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")
 
@@ -149,7 +150,9 @@ def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids,
         "rounds": len(rounds) if rounds else None,
         "drafted_tokens": sum(r[0] for r in rounds), "accepted_tokens": sum(r[1] for r in rounds),
         "round_drafted": [r[0] for r in rounds], "round_accepted": [r[1] for r in rounds],
-        "round_emitted": [r[2] for r in rounds], "finish_reason": outcome.finish_reason,
+        "round_emitted": [r[2] for r in rounds], "speculation_off_rounds": outcome.speculation_off_rounds,
+        "draft_length_histogram": histogram_from_round_drafted([r[0] for r in rounds]),
+        "finish_reason": outcome.finish_reason,
         "weights": runner.weights, "policy": runner.policy, "token_ids": list(outcome.token_ids),
         "lossless": (diff is None) if greedy else None, "first_difference": diff,
     }

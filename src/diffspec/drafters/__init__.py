@@ -17,13 +17,14 @@ from ..errors import DiffspecError
 from .autoregressive import AutoregressiveDrafter
 from .base import Drafter, DrafterCapabilities, DraftBuilder
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
+from .combined import CombinedDrafter
 from .conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from .masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTER_NAMES = {
-    "auto": "the default: the shipped trained drafter for this target if measurement made it the default, else "
-            "prompt-lookup",
+    "auto": "the default: with the auto policy, prompt-lookup+KIND when a trained drafter ships for this target; "
+            "else the shipped drafter if measurement made it the default, else prompt-lookup",
     "none": "no drafter: plain autoregressive decoding through the same engine (the fair baseline)",
     "prompt-lookup": "n-gram copy from the prompt and the text so far (training-free)",
     "block-diffusion": "block-diffusion dLLM (Fast-dLLM v2 semantics), FailFast's drafter",
@@ -32,6 +33,8 @@ DRAFTER_NAMES = {
     "ar:PATH": "an autoregressive draft model (folder, .gguf or hub id) sharing the target's tokenizer",
     "PATH": "a drafter folder (config.json + model.safetensors) written by diffspec, or a DFlash checkpoint "
             "(folder or hub id owner/name)",
+    "A+B": "two drafters combined, e.g. prompt-lookup+conditioned: each round the proposal worth more is verified "
+           "(put the cheap one first)",
     "fast-dllm-v2:PATH": "a Fast-dLLM v2 checkpoint (Qwen2 body, block 32, sub-block 8, shifted, mask 151665)",
     "dream:PATH": "a Dream checkpoint (Qwen2 body, bidirectional, shifted, mask 151666)",
 }
@@ -46,13 +49,18 @@ def weights_for(kind: str, target_name: Optional[str]) -> str:
     return f"trained weights: {path}" if path else f"random init (no trained weights for {target_name})"
 
 
-def default_drafter_name(target_name: Optional[str]) -> str:
-    """What `auto` means for a target: a shipped drafter whose folder says measurement made it the
-    default (`"default": true` in its config's diffspec object), else prompt lookup."""
+def default_drafter_name(target_name: Optional[str], combine: bool = False) -> str:
+    """What `auto` means for a target. With `combine` (the auto policy, which switches off a part that
+    loses): prompt-lookup + the shipped trained drafter (conditioned first) when one ships. Else a shipped
+    drafter whose folder says measurement made it the default (`"default": true`), else prompt lookup."""
     import json
 
     from ..checkpoint import shipped_drafter_path
 
+    if combine:
+        for kind in ("conditioned", "block-diffusion", "masked-diffusion"):
+            if shipped_drafter_path(target_name, kind):
+                return f"prompt-lookup+{kind}"
     for kind in TRAINABLE_KINDS:
         path = shipped_drafter_path(target_name, kind)
         if path and json.loads((path / "config.json").read_text()).get("diffspec", {}).get("default") is True:
@@ -61,13 +69,23 @@ def default_drafter_name(target_name: Optional[str]) -> str:
 
 
 def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", compute_dtype: Optional[str] = None) -> Optional[Drafter]:
+                 device: str = "cpu", compute_dtype: Optional[str] = None, combine: bool = False) -> Optional[Drafter]:
     """A drafter from its name; None for 'none'. Diffusion names need the target (shapes, shipped weights).
 
     Weights load in `dtype`. `compute_dtype` ('auto' or a dtype name; None = `dtype`) is what a
     drafter with `capabilities.chooses_dtype` computes in, settled when the engine attaches it;
-    naming a dtype for a drafter without that capability is refused."""
+    naming a dtype for a drafter without that capability is refused. `combine`: `auto` may resolve to
+    a combination (see default_drafter_name)."""
     check_drafter_dtype(compute_dtype)
+    if spec == "auto":
+        spec = default_drafter_name(target.name if target is not None else None, combine)
+    if spec is not None and "+" in spec:
+        names = spec.split("+")
+        bad = [n for n in names if n in ("", "none", "auto") or "+" in n]
+        if bad:
+            raise DiffspecError(f"drafter '{spec}': each part of A+B must be a drafter (not {', '.join(repr(b) for b in bad)})")
+        drafter = CombinedDrafter([_make(n, target, dtype, device) for n in names])
+        return set_compute_dtype(drafter, compute_dtype, spec)
     return set_compute_dtype(_make(spec, target, dtype, device), compute_dtype, spec)
 
 
@@ -124,5 +142,5 @@ def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optio
 
 __all__ = ["Drafter", "DrafterCapabilities", "DraftBuilder", "PromptLookupDrafter", "AutoregressiveDrafter",
            "BlockDiffusionDrafter", "BlockDiffusionConfig", "MaskedDiffusionDrafter", "MaskedDiffusionConfig",
-           "ConditionedDrafter", "ConditionedDraftModel", "ConditionedConfig", "make_drafter", "DRAFTER_NAMES",
+           "ConditionedDrafter", "ConditionedDraftModel", "ConditionedConfig", "CombinedDrafter", "make_drafter", "DRAFTER_NAMES",
            "TRAINABLE_KINDS", "weights_for", "set_compute_dtype", "check_drafter_dtype"]

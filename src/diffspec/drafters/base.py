@@ -69,6 +69,18 @@ class Drafter(ABC):
         return self.name
 
 
+def draft_may_be_judged(draft: Draft, sampling: SamplingParams) -> bool:
+    """May a rule read this draft's tokens and confidences to cut it or to prefer it to another proposal?
+
+    Yes when greedy (nothing is random), and when the draft is verified with one-hot q (probs None):
+    one-hot verification emits the target's own distribution at each position whatever token was
+    proposed, so any choice made from the proposal is harmless. No when tokens were drawn from q and
+    q goes to rejection sampling: keeping a token because its draw was likely under q would make the
+    verified tokens follow q conditioned on being kept, not q - the output would drift from the
+    target's distribution (tests/test_auto_policy.py shows the chi-square test catching it)."""
+    return sampling.greedy or draft.probs is None
+
+
 def align_logits_to_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Drafter logits [..., V_d] -> [..., vocab_size]: drop rows the target has no token for
     (padding, a drafter-only mask token), give target ids the drafter lacks probability 0."""

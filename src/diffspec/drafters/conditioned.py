@@ -272,17 +272,28 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         dtype = next(self.model.parameters()).dtype
         empty = torch.empty(self.cfg.num_key_value_heads, 0, self.cfg.head_dim, device=device, dtype=dtype)
         self._kv = [(empty, empty) for _ in range(self.cfg.num_hidden_layers)]
-        self._context_len = 0  # positions whose target features are in _kv
+        self._context_len = 0  # positions whose target features were observed (in _kv or _pending)
+        self._pending: list = []  # (features [m, F], start) observed, not yet turned into keys/values
 
     @torch.inference_mode()
     def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """Features are kept as they come and turned into keys/values only when a draft needs them, in
+        one batch: rounds a policy runs without this drafter cost it almost nothing."""
         if start != self._context_len:
             raise RuntimeError(f"target features arrive for position {start}, expected {self._context_len}")
+        self._pending.append((hidden, start))
+        self._context_len += hidden.shape[0]
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
         dtype = next(self.model.parameters()).dtype
+        start = self._pending[0][1]
+        hidden = torch.cat([h for h, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
+        self._pending = []
         positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
         new = self.model.context_keys_values(hidden.to(dtype), positions)
         self._kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(self._kv, new)]
-        self._context_len += hidden.shape[0]
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor) -> torch.Tensor:
@@ -294,6 +305,7 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         if self._context_len != anchor:
             raise RuntimeError(f"conditioned drafter has features for {self._context_len} positions, "
                                f"context needs {anchor}: was the engine told to pass hidden states?")
+        self._flush()
         dtype = next(self.model.parameters()).dtype
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = context[-1]

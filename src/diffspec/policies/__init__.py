@@ -1,19 +1,26 @@
-"""Speculation-length policies, chosen by name: `fixed` and `failfast`."""
+"""Speculation-length policies, chosen by name: `auto` (measured costs, the default), `fixed` and `failfast`."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from ..errors import DiffspecError
+from .auto import AutoPolicy
 from .base import LengthPolicy
 from .failfast import FailFastPolicy, failfast_next_increment
 from .fixed import FixedPolicy
 
-POLICY_NAMES = ("fixed", "failfast")
+POLICY_NAMES = ("auto", "fixed", "failfast")
 
 
-def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: int = 10, n_max: int = 60) -> LengthPolicy:
-    """gamma None = 8 (callers with a drafter pass the drafter's `default_gamma`)."""
+def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: int = 10, n_max: int = 60,
+                recalibrate: bool = False, progress: bool = False) -> LengthPolicy:
+    """gamma None = 8 (callers with a drafter pass the drafter's `default_gamma`). `recalibrate`: the
+    auto policy measures this machine's costs again instead of reading its cache."""
+    if recalibrate and name != "auto":
+        raise DiffspecError(f"recalibrate applies to the auto policy, not '{name}'")
+    if name == "auto":
+        return AutoPolicy(recalibrate=recalibrate, progress=progress)
     if name == "fixed":
         return FixedPolicy(gamma=8 if gamma is None else gamma)
     if name == "failfast":
@@ -21,4 +28,4 @@ def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: in
     raise DiffspecError(f"unknown policy '{name}' (choose from: {', '.join(POLICY_NAMES)})")
 
 
-__all__ = ["LengthPolicy", "FixedPolicy", "FailFastPolicy", "failfast_next_increment", "make_policy", "POLICY_NAMES"]
+__all__ = ["AutoPolicy", "LengthPolicy", "FixedPolicy", "FailFastPolicy", "failfast_next_increment", "make_policy", "POLICY_NAMES"]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import DiffspecError
+from ..types import draft_length_histogram
 from .metrics import Metrics
 from .protocol import GenerationRequest
 from .stops import StopMatcher
@@ -59,7 +60,7 @@ class Outcome:
     finish_reason: str         # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
-    speculative: dict          # rounds, drafted_tokens, accepted_tokens, mean_accepted_length, acceptance_rate
+    speculative: dict          # see speculative_stats
 
 
 @dataclass(eq=False)
@@ -207,7 +208,7 @@ class EngineWorker:
         rounds = stream.round_stats
         spec = speculative_stats(rounds)
         self.metrics.engine_work(spec["rounds"], spec["drafted_tokens"], spec["accepted_tokens"],
-                                 len(stream.token_ids))
+                                 len(stream.token_ids), spec["speculation_off_rounds"])
         if finish is None:  # cancelled: the client is gone
             self.metrics.finished("cancelled")
             job.emit("error", 499, CANCELLED)
@@ -229,11 +230,16 @@ class EngineWorker:
 
 
 def speculative_stats(rounds) -> dict:
-    """The per-request `speculative` object from the engine's RoundStats."""
+    """The per-request `speculative` object from the engine's RoundStats: rounds, drafted_tokens,
+    accepted_tokens, mean_accepted_length (bonus token included), acceptance_rate,
+    speculation_off_rounds (rounds the policy ran no drafter in) and draft_length_histogram
+    ({"k": rounds that verified k drafted tokens}, as `diffspec generate --json` gives it)."""
     n = len(rounds)
     drafted = sum(r.drafted for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     emitted = sum(r.emitted for r in rounds)
     return {"rounds": n, "drafted_tokens": drafted, "accepted_tokens": accepted,
             "mean_accepted_length": round(emitted / n, 4) if n else 0.0,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0}
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "speculation_off_rounds": sum(1 for r in rounds if r.speculation_off),
+            "draft_length_histogram": {str(k): v for k, v in draft_length_histogram(rounds).items()}}

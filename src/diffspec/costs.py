@@ -1,0 +1,283 @@
+"""What a round costs on this machine: the target's verify pass for k drafted tokens (measured on a
+ladder of k at a few context lengths) and a drafter's draft time (a fixed part and a per-token part).
+
+Measured once per machine x model x dtype (x drafter) and kept as JSON under $DIFFSPEC_CACHE/costs,
+so the next start reads it in milliseconds; `recalibrate=True` (`--recalibrate`) measures again.
+The key holds the CPU model and flags, thread count, torch version, the accelerator's name and a
+fingerprint of the model's config and weights: another machine or model never reuses a table.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .devices import host_info, synchronize
+from .errors import DiffspecError
+
+VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (64, 256, 1024)
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds of one verify pass over [last token, k drafts], median of `reps`, per context length.
+
+    verify_s[c][i] is the cost at contexts[c] with ks[i] drafts. `verify(k, context)` interpolates
+    linearly in k and in the context length (clamped to the measured range in context, extrapolated
+    along the last segment in k)."""
+
+    ks: tuple
+    contexts: tuple
+    verify_s: tuple
+    key: str = ""
+    machine: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.ks or self.ks[0] != 0 or list(self.ks) != sorted(set(self.ks)):
+            raise ValueError(f"cost table ks must be increasing and start at 0, got {self.ks}")
+        if len(self.verify_s) != len(self.contexts) or any(len(row) != len(self.ks) for row in self.verify_s):
+            raise ValueError("cost table shape disagrees with its ks and contexts")
+
+    @staticmethod
+    def _interp(xs: Sequence[float], ys: Sequence[float], x: float, extrapolate: bool) -> float:
+        if len(xs) == 1:
+            return float(ys[0])
+        if x <= xs[0]:
+            return float(ys[0])
+        for i in range(1, len(xs)):
+            if x <= xs[i]:
+                w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return float(ys[i - 1] + w * (ys[i] - ys[i - 1]))
+        if not extrapolate:
+            return float(ys[-1])
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + max(0.0, slope) * (x - xs[-1]))
+
+    def verify(self, k: int, context: int) -> float:
+        per_context = [self._interp(self.ks, row, k, extrapolate=True) for row in self.verify_s]
+        return self._interp(self.contexts, per_context, context, extrapolate=False)
+
+    def verify_curve(self, max_k: int, context: int) -> list:
+        """[verify(0), .., verify(max_k)] at one context length."""
+        return [self.verify(k, context) for k in range(max_k + 1)]
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostTable":
+        return cls(ks=tuple(d["ks"]), contexts=tuple(d["contexts"]), verify_s=tuple(tuple(r) for r in d["verify_s"]),
+                   key=d.get("key", ""), machine=d.get("machine", {}))
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """A drafter's seconds per round: fixed_s + per_token_s * k (k drafted tokens)."""
+
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def __call__(self, k: int) -> float:
+        return 0.0 if k <= 0 else self.fixed_s + self.per_token_s * k
+
+    def curve(self, max_k: int) -> list:
+        return [self(k) for k in range(max_k + 1)]
+
+
+def fit_draft_cost(samples: Sequence[tuple]) -> DraftCost:
+    """Least squares of seconds = a + b k over [(k, seconds)] with k >= 1, a and b kept >= 0."""
+    pts = [(float(k), float(s)) for k, s in samples if k >= 1]
+    if not pts:
+        return DraftCost()
+    ks = [k for k, _ in pts]
+    ss = [s for _, s in pts]
+    if len(set(ks)) == 1:
+        return DraftCost(fixed_s=statistics.median(ss))
+    mk, ms = sum(ks) / len(ks), sum(ss) / len(ss)
+    var = sum((k - mk) ** 2 for k in ks)
+    b = max(0.0, sum((k - mk) * (s - ms) for k, s in pts) / var)
+    a = ms - b * mk
+    if a < 0:  # the line through the origin instead
+        a, b = 0.0, sum(k * s for k, s in pts) / sum(k * k for k in ks)
+    return DraftCost(fixed_s=a, per_token_s=b)
+
+
+def non_decreasing(values: Sequence[float]) -> list:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a pass over more
+    tokens never costs less, and one slow reading must not lift every larger k."""
+    blocks: list = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    out = []
+    for s, n in blocks:
+        out += [s / n] * n
+    return out
+
+
+# --- keys and the cache folder -----------------------------------------------------------------
+def cost_dir() -> Path:
+    from .models import cache_root
+
+    return cache_root() / "costs"
+
+
+def machine_key(device) -> dict:
+    """What makes a timing belong to this machine."""
+    info = _host()
+    device = torch.device(device)
+    accel = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return {"cpu": info["cpu"], "cpu_flags": info["cpu_flags"], "cpus": info["cpus"], "threads": info["threads"],
+            "torch": info["torch"], "device": device.type, "accelerator": accel}
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cached(threads: int) -> dict:
+    return host_info()
+
+
+def _host() -> dict:
+    return _host_cached(torch.get_num_threads())
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Config + parameter count + a sample of the weights: two models share it only if they compute alike."""
+    h = hashlib.sha256()
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        h.update(json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg), sort_keys=True, default=str).encode())
+    n = 0
+    for name, p in model.named_parameters():
+        n += p.numel()
+        h.update(name.encode())
+        h.update(str((tuple(p.shape), str(p.dtype))).encode())
+        flat = p.detach().reshape(-1)
+        h.update(flat[: 16].float().cpu().numpy().tobytes())
+    h.update(str(n).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _read(path: Path) -> Optional[dict]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and d.get("format") == FORMAT else None
+
+
+def _write(path: Path, d: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    os.replace(tmp, path)
+
+
+# --- measuring ---------------------------------------------------------------------------------
+def verify_key(target) -> str:
+    return cache_key("verify", machine_key(target.device), target.name, str(target.dtype), model_fingerprint(target.model))
+
+
+def measure_verify_costs(target, ks: Sequence[int] = VERIFY_KS, contexts: Sequence[int] = CONTEXTS, reps: int = 3,
+                         progress: bool = False) -> CostTable:
+    """Time target.forward over 1 + k tokens after a context of c tokens, for each (c, k). The target's
+    cache is reset before and after (call it between requests)."""
+    ks = [k for k in ks if k + 2 <= target.max_context]  # at least one context token before the pass
+    if len(ks) < 2:
+        raise DiffspecError(f"the model's context ({target.max_context} tokens) is too short to time verify passes")
+    max_k = max(ks)
+    room = target.max_context - max_k - 1
+    usable = sorted({min(c, room) for c in contexts if min(c, room) >= 1})
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.vocab_size
+    rows = []
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(usable) * len(ks), desc="timing verify passes", unit="k", disable=not progress)
+    for c in usable:
+        context = torch.randint(0, vocab, (c,), generator=gen).to(target.device)
+        block = torch.randint(0, vocab, (max_k + 1,), generator=gen).to(target.device)
+        target.reset()
+        target.forward(context)
+        for _ in range(2):  # warm-up
+            target.forward(block[:2])
+            target.truncate(c)
+        row = []
+        for k in ks:
+            times = []
+            for _ in range(reps):
+                synchronize(target.device)
+                t0 = time.perf_counter()
+                target.forward(block[: k + 1])
+                synchronize(target.device)
+                times.append(time.perf_counter() - t0)
+                target.truncate(c)
+            row.append(min(times))  # timing noise only ever adds
+            bar.update(1)
+        rows.append(tuple(non_decreasing(row)))
+    bar.close()
+    target.reset()
+    return CostTable(ks=tuple(ks), contexts=tuple(usable), verify_s=tuple(rows), key=verify_key(target),
+                     machine=machine_key(target.device))
+
+
+def load_or_measure_verify_costs(target, recalibrate: bool = False, progress: bool = False) -> tuple:
+    """-> (CostTable, whether it came from the cache)."""
+    key = verify_key(target)
+    path = verify_path(target)
+    if not recalibrate:
+        d = _read(path)
+        if d is not None and d.get("key") == key:
+            return CostTable.from_json(d), True
+    table = measure_verify_costs(target, progress=progress)
+    _write(path, table.to_json())
+    return table, False
+
+
+def drafter_key(target, drafter) -> str:
+    """Machine x target x drafter. A drafter with a model is named by its class, name and weights (whose
+    dtype is the one it settled on); describe() is not used for those, as it carries timings."""
+    model = getattr(drafter, "model", None)
+    what = model_fingerprint(model) if isinstance(model, torch.nn.Module) else drafter.describe()
+    return cache_key("drafter", verify_key(target), type(drafter).__name__, drafter.name, what)
+
+
+def verify_path(target) -> Path:
+    return cost_dir() / f"verify-{verify_key(target)}.json"
+
+
+def drafter_path(target, drafter) -> Path:
+    return cost_dir() / f"drafter-{drafter_key(target, drafter)}.json"
+
+
+def drafter_calibration(target, drafter, recalibrate: bool = False) -> tuple:
+    """A drafter's calibration record (policies/auto.py `calibrate_drafter`) from the cache, or measured
+    now and cached. The drafter must be attached. -> (record, 'cache' | 'measured', path)."""
+    from .policies.auto import calibrate_drafter
+
+    path = drafter_path(target, drafter)  # the key is taken once: calibrating re-attaches the drafter
+    if not recalibrate:
+        d = _read(path)
+        if d is not None and d.get("key") == path.stem.removeprefix("drafter-"):
+            return d, "cache", path
+    record = {"format": FORMAT, "key": path.stem.removeprefix("drafter-"), "drafter": drafter.describe(),
+              **calibrate_drafter(target, drafter)}
+    _write(path, record)
+    return record, "measured", path

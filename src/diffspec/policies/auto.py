@@ -1,0 +1,253 @@
+"""`auto`: each round, the draft length that maximises expected tokens per expected second, k = 0
+(a plain step) included, from measured costs (costs.py) and acceptance learnt online (acceptance.py).
+
+Per round, three decisions, all pure functions of the cost table and the estimates (choice.py):
+
+1. run or not (`plan_round`): each drafter ("source") keeps a decayed record of what its rounds
+   gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds). A
+   source whose efficiency is below 1 - `tolerance` is switched off - unless it costs less than
+   `cheap_share` of a plain step and the round is greedy (prompt lookup: step 3 cuts every draft
+   that would not pay, so running it costs nothing and catches every copy); an off source is probed again
+   after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). Nothing runs -> a
+   plain step, with no drafter time at all.
+2. how far to draft (`next_increment`): the length that maximises the expected rate with the
+   estimates at hand - by confidence for tokens drafted, by position beyond - and the drafter's
+   own cost (fixed + per token, fitted to its measured draft times). A drafter whose extra tokens
+   cost nothing (a block drafter) drafts its whole block when greedy; the cut comes in step 3.
+3. how many drafted tokens to verify (`final_length`, only where the choice cannot bias the output:
+   greedy, or a draft that is a deterministic function of the context, e.g. prompt lookup): the k
+   in 0..drafted that maximises expected emitted / (seconds already spent drafting + verify(k)).
+
+With two drafters (`lookup+conditioned`), the cheap one runs first, and the other only when its
+record promises more than the cheap one's draft; the proposal with the larger expected value wins.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional, Sequence
+
+from ..costs import CostTable, DraftCost, fit_draft_cost
+from ..errors import DiffspecError
+from .acceptance import AcceptanceCounts, AcceptanceModel
+from .base import LengthPolicy
+from .choice import best_length, round_rates
+
+
+class _Source:
+    """What the policy knows of one drafter."""
+
+    def __init__(self, prior_efficiency: float, probe_first: int):
+        self.acceptance = AcceptanceModel()
+        self.cost_samples: deque = deque(maxlen=64)
+        self.draft_cost = DraftCost()
+        self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
+        self.off_rounds, self.probe_every = 0, probe_first
+
+    @property
+    def efficiency(self) -> float:
+        return self.gain / max(1e-9, self.steps)
+
+    def add_cost(self, k: int, seconds: float) -> None:
+        if k >= 1 and seconds >= 0:
+            self.cost_samples.append((k, seconds))
+            self.draft_cost = fit_draft_cost(self.cost_samples)
+
+
+class AutoPolicy(LengthPolicy):
+    name = "auto"
+
+    def __init__(self, costs: Optional[CostTable] = None, max_draft: int = 64, tolerance: float = 0.01,
+                 decay: float = 0.7, probe_first: int = 4, probe_max: int = 64, prior_efficiency: float = 1.1,
+                 recalibrate: bool = False, calibrate: bool = True, progress: bool = False, cheap_share: float = 0.02):
+        if not isinstance(max_draft, int) or max_draft < 1:
+            raise DiffspecError(f"auto policy: max_draft must be an integer >= 1, got {max_draft!r}")
+        if not 0.0 < decay < 1.0:
+            raise DiffspecError(f"auto policy: decay must be in (0, 1), got {decay!r}")
+        if not (isinstance(probe_first, int) and isinstance(probe_max, int) and 1 <= probe_first <= probe_max):
+            raise DiffspecError(f"auto policy: need 1 <= probe_first <= probe_max, got {probe_first!r}, {probe_max!r}")
+        self.costs = costs
+        self.max_draft, self.tolerance, self.decay = max_draft, tolerance, decay
+        self.probe_first, self.probe_max, self.prior_efficiency = probe_first, probe_max, prior_efficiency
+        self.recalibrate, self.calibrate, self.progress = recalibrate, calibrate, progress
+        self.cheap_share = cheap_share
+        self.sources: dict = {}
+        self.calibration: dict = {}           # source -> where its prior came from (for describe / profile)
+        self._context = 0
+        self._curve: list = []
+        self._curves: dict = {}
+        self._plan: Optional[tuple] = None
+        self._current: Optional[str] = None
+        self._greedy = True
+        self._values: dict = {}
+
+    # --- set-up -------------------------------------------------------------------------------
+    def source(self, name: str) -> _Source:
+        if name not in self.sources:
+            self.sources[name] = _Source(self.prior_efficiency, self.probe_first)
+        return self.sources[name]
+
+    def attach(self, target, drafter) -> None:
+        from ..costs import drafter_calibration, load_or_measure_verify_costs
+
+        if self.costs is None:
+            self.costs, _ = load_or_measure_verify_costs(target, recalibrate=self.recalibrate, progress=self.progress)
+        self._curves = {}
+        if drafter is None or not self.calibrate:
+            return
+        for part in getattr(drafter, "parts", (drafter,)):
+            record, origin, _ = drafter_calibration(target, part, recalibrate=self.recalibrate)
+            self.seed(part.name, record)
+            self.calibration[part.name] = origin
+
+    def seed(self, name: str, record: dict) -> None:
+        """A calibration record ({'costs': [[k, s]..], 'acceptance': counts}) as this source's prior."""
+        src = self.source(name)
+        for k, s in record.get("costs", []):
+            src.add_cost(int(k), float(s))
+        if record.get("acceptance"):
+            src.acceptance.seed(AcceptanceCounts.from_json(record["acceptance"]))
+
+    # --- per request and per round --------------------------------------------------------------
+    def begin_request(self, greedy: bool) -> None:
+        self._greedy = greedy
+        for src in self.sources.values():
+            src.acceptance.begin_request()
+            src.off_rounds = 0
+
+    def verify_curve(self, context: int) -> list:
+        if self.costs is None:
+            raise DiffspecError("the auto policy has no cost table: the engine attaches it (or pass costs=)")
+        bucket = (context // 16) * 16
+        if bucket not in self._curves:
+            self._curves[bucket] = self.costs.verify_curve(self.max_draft, bucket)
+        return self._curves[bucket]
+
+    def plan_round(self, context_len: int, sources: Sequence[str]) -> tuple:
+        self._context = context_len
+        self._curve = self.verify_curve(context_len)
+        self._values = {}
+        plan = []
+        for name in sources:
+            src = self.source(name)
+            cheap = src.draft_cost(1) < self.cheap_share * self._curve[0]
+            if (cheap and self._greedy) or src.efficiency >= 1.0 - self.tolerance:
+                src.off_rounds, src.probe_every = 0, self.probe_first
+                plan.append(name)
+                continue
+            src.off_rounds += 1
+            if src.off_rounds >= src.probe_every:  # probe: the regime may have changed
+                src.off_rounds, src.probe_every = 0, min(self.probe_max, 2 * src.probe_every)
+                plan.append(name)
+        self._plan = tuple(plan)
+        if len(sources) == 1 and plan:
+            self._current = plan[0]
+        return self._plan
+
+    def planned_sources(self) -> Optional[tuple]:
+        return self._plan
+
+    def select(self, source: str) -> None:
+        self._current = source
+
+    # --- lengths --------------------------------------------------------------------------------
+    def _estimates(self, name: str, confidences: Sequence[float]) -> tuple:
+        src = self.source(name)
+        horizon = min(self.max_draft, len(self._curve) - 1)
+        return src, src.acceptance.probabilities(list(confidences), horizon)
+
+    def next_increment(self, confidences: Sequence[float]) -> int:
+        if self._current is None:
+            raise DiffspecError("the auto policy was asked for a draft length outside a planned round")
+        src, p = self._estimates(self._current, confidences)
+        drafted = len(confidences)
+        free_tokens = src.draft_cost.per_token_s < 0.02 * self._curve[0]
+        if drafted == 0 and self._greedy and free_tokens:
+            return len(p)  # the whole block costs what its first token does: draft it all, cut it later
+        best = best_length(p, self._curve, src.draft_cost.curve(len(p)))
+        return max(1, best) if drafted == 0 else max(0, best - drafted)
+
+    def final_length(self, confidences: Sequence[float], draft_seconds: float) -> int:
+        if self._current is None or not confidences:
+            return len(confidences)
+        src = self.source(self._current)
+        p = [src.acceptance.by_confidence(c, i) for i, c in enumerate(confidences)]
+        k = len(p)
+        rates = round_rates(p, self._curve[: k + 1] + [self._curve[-1]] * max(0, k + 1 - len(self._curve)),
+                            [draft_seconds] * (k + 1))
+        return max(range(k + 1), key=lambda i: (rates[i], -i))
+
+    def draft_value(self, source: str, confidences: Sequence[float], draft_seconds: float) -> float:
+        """Expected tokens per plain step of this proposal at its best length (plain decoding = 1)."""
+        src = self.source(source)
+        p = [src.acceptance.by_confidence(c, i) for i, c in enumerate(confidences)][: len(self._curve) - 1]
+        rates = round_rates(p, self._curve, [draft_seconds] * (len(p) + 1))
+        value = max(rates) * self._curve[0]
+        self._values[source] = (value, len(confidences), draft_seconds)
+        return value
+
+    def prior_value(self, source: str) -> float:
+        return self.source(source).efficiency
+
+    # --- feedback -------------------------------------------------------------------------------
+    def update(self, stats) -> None:
+        if stats.speculation_off or not self._curve:
+            return
+        v0 = self._curve[0]
+        spent = 0.0
+        for name, k, seconds in stats.draft_costs:
+            self.source(name).add_cost(k, seconds)
+            spent += seconds
+        chosen = stats.source
+        if chosen:
+            src = self.source(chosen)
+            src.acceptance.update(stats.confidences, stats.accepted)
+            steps = (spent + self._verify(stats.drafted)) / v0
+            src.gain = self.decay * src.gain + stats.emitted
+            src.steps = self.decay * src.steps + steps
+        for name, k, seconds in stats.draft_costs:  # a proposal that ran and lost: its own expected value
+            if name != chosen and name in self._values:
+                value, _, own = self._values[name]
+                src = self.source(name)
+                steps = (own + v0) / v0
+                src.gain = self.decay * src.gain + value * steps
+                src.steps = self.decay * src.steps + steps
+
+    def _verify(self, k: int) -> float:
+        return self._curve[min(k, len(self._curve) - 1)]
+
+    def describe(self) -> str:
+        return f"auto(max {self.max_draft}, tolerance {self.tolerance})"
+
+
+CALIBRATION_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "In two sentences, explain why the sky is blue.",
+)
+
+
+def calibrate_drafter(target, drafter, new_tokens: int = 32, gammas: Sequence[int] = (2, 8)) -> dict:
+    """A short run of `drafter` at fixed draft lengths: its draft seconds per round (for the cost fit)
+    and the acceptance counts its confidences earned (the prior of the acceptance model)."""
+    import torch
+
+    from ..engine import SpeculativeEngine
+    from .fixed import FixedPolicy
+
+    counts = AcceptanceCounts()
+    costs = []
+    if target.tokenizer is not None:
+        prompts = [target.encode_prompt(p, chat=target.tokenizer.chat_template is not None) for p in CALIBRATION_PROMPTS]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in CALIBRATION_PROMPTS]
+    room = max(1, min(new_tokens, target.max_context - max(len(p) for p in prompts) - 1))
+    for gamma in gammas:
+        engine = SpeculativeEngine(target, drafter, FixedPolicy(gamma=gamma))
+        engine.generate(prompts[0], max_new_tokens=min(4, room))  # warm-up: first calls pay one-off costs
+        for ids in prompts:
+            result = engine.generate(ids, max_new_tokens=room)
+            for r in result.rounds:
+                costs.append([r.drafted, round(r.draft_time_s, 6)])
+                counts.add(r.confidences, r.accepted)
+    return {"costs": costs, "acceptance": counts.to_json(), "gammas": list(gammas), "new_tokens": room}

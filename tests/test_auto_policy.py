@@ -1,0 +1,322 @@
+"""Issue 17: the measured cost model, the acceptance model, the `auto` policy and combined drafters.
+
+The length choice is a pure function (choice.py) tested on the cases that matter; the policy and the
+combined drafter keep greedy outputs identical and sampled outputs distributed as the target's."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_model, reference_greedy
+from helpers import RandomDrafter, ScriptedDrafter
+from diffspec import AutoregressiveDrafter, FixedPolicy, PromptLookupDrafter, SamplingParams, SpeculativeEngine, Target
+from diffspec.costs import CostTable, DraftCost, fit_draft_cost
+from diffspec.drafters import CombinedDrafter, make_drafter
+from diffspec.errors import DiffspecError
+from diffspec.policies import AutoPolicy, LengthPolicy, make_policy
+from diffspec.policies.acceptance import AcceptanceCounts, AcceptanceModel
+from diffspec.policies.choice import best_length, expected_emitted, round_rates
+
+FLAT = CostTable(ks=(0, 64), contexts=(1,), verify_s=((1.0, 1.0),))            # a GPU: k tokens cost one
+STEEP = CostTable(ks=(0, 1, 64), contexts=(1,), verify_s=((1.0, 3.0, 60.0),))  # k = 1 costs 3 plain steps
+JUMP = CostTable(ks=(0, 1, 2, 8, 64), contexts=(1,), verify_s=((1.0, 1.6, 1.62, 1.7, 6.0),))
+
+
+# --- the pure length choice ----------------------------------------------------------------------
+def test_expected_emitted_counts_the_bonus_token_and_stops_at_the_first_rejection():
+    assert expected_emitted([]) == [1.0]
+    assert expected_emitted([1.0, 1.0]) == [1.0, 2.0, 3.0]
+    assert expected_emitted([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+    assert expected_emitted([0.0, 1.0]) == [1.0, 1.0, 1.0]
+
+
+def test_flat_cost_drafts_long():
+    assert best_length([0.6] * 64, FLAT.verify_curve(64, 1), [0.0] * 65) == 64
+
+
+def test_steep_cost_and_low_acceptance_give_a_plain_step():
+    assert best_length([0.3] * 64, STEEP.verify_curve(64, 1), [0.0] * 65) == 0
+
+
+def test_the_k1_jump_does_not_hide_longer_drafts():
+    """k = 1 loses to plain decoding (1.5 tokens for 1.6 steps) but k = 3 wins: a rule that stops at
+    the first k that does not improve would never draft."""
+    v = JUMP.verify_curve(8, 1)
+    rates = round_rates([0.5] * 8, v, [0.0] * 9)
+    assert rates[1] < rates[0]
+    k = best_length([0.5] * 8, v, [0.0] * 9)
+    assert k >= 3 and rates[k] > rates[0]
+
+
+def test_draft_cost_and_margin_can_turn_speculation_off():
+    v = FLAT.verify_curve(4, 1)
+    assert best_length([0.5] * 4, v, [0.0] * 5) == 4
+    assert best_length([0.5] * 4, v, [0.0] + [1.0] * 4) == 0           # drafting costs a whole step
+    assert best_length([0.05] * 4, v, [0.0] + [0.04] * 4, margin=0.02) == 0  # ties with plain: not worth it
+
+
+# --- the cost table ------------------------------------------------------------------------------
+def test_cost_table_interpolates_in_k_and_context_and_survives_json():
+    table = CostTable(ks=(0, 4, 8), contexts=(100, 300), verify_s=((1.0, 2.0, 3.0), (2.0, 4.0, 6.0)))
+    assert table.verify(2, 100) == pytest.approx(1.5)
+    assert table.verify(4, 200) == pytest.approx(3.0)
+    assert table.verify(0, 10) == pytest.approx(1.0)     # below the range: clamped
+    assert table.verify(16, 100) == pytest.approx(5.0)   # beyond the ladder: the last slope goes on
+    assert CostTable.from_json(table.to_json()) == table
+    with pytest.raises(ValueError):
+        CostTable(ks=(1, 2), contexts=(1,), verify_s=((1.0, 1.0),))
+
+
+def test_draft_cost_fit_separates_fixed_and_per_token_parts():
+    fit = fit_draft_cost([(k, 0.010 + 0.002 * k) for k in (1, 2, 4, 8, 8, 16)])
+    assert fit.fixed_s == pytest.approx(0.010, abs=1e-9) and fit.per_token_s == pytest.approx(0.002, abs=1e-9)
+    assert fit_draft_cost([(8, 0.01), (8, 0.03)]) == DraftCost(fixed_s=0.02)  # one length: all fixed
+    assert fit(0) == 0.0
+
+
+def test_measured_table_never_gets_cheaper_with_more_tokens(target):
+    from diffspec.costs import measure_verify_costs
+
+    table = measure_verify_costs(target, ks=(0, 1, 2, 4, 8), contexts=(8, 32), reps=1)
+    for row in table.verify_s:
+        assert all(b >= a for a, b in zip(row, row[1:]))
+    assert target.cache_len == 0  # the target is left clean for the next request
+
+
+def test_cost_cache_is_reused_and_keyed_by_model_and_machine(tiny_model, tokenizer, monkeypatch, tmp_path):
+    import diffspec.costs as costs
+
+    monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
+    target = Target(tiny_model, tokenizer)
+    first, cached = costs.load_or_measure_verify_costs(target)
+    assert not cached
+    again, cached = costs.load_or_measure_verify_costs(target)
+    assert cached and again == first
+    other = Target(make_model(len(tokenizer), seed=11), tokenizer)
+    assert costs.verify_key(other) != costs.verify_key(target)
+    real = costs.machine_key
+    monkeypatch.setattr(costs, "machine_key", lambda device: {**real(device), "cpu": "another CPU"})
+    assert costs.verify_key(target) != first.key
+    _, cached = costs.load_or_measure_verify_costs(target)
+    assert not cached  # another machine measures its own
+
+
+# --- the acceptance model -------------------------------------------------------------------------
+def test_acceptance_model_learns_per_request_from_a_prior():
+    model = AcceptanceModel()
+    assert model.by_confidence(0.95) == pytest.approx(0.95)  # calibrated until seen otherwise
+    for _ in range(30):
+        model.update([0.95, 0.95, 0.95], accepted=0)          # confident, always wrong
+    assert model.by_confidence(0.95) < 0.1
+    assert model.by_position(0) < 0.1
+    model.begin_request()                                    # a new request: shrunk towards the long-lived record
+    assert model.by_confidence(0.95) < 0.3
+    for _ in range(3):
+        model.update([0.95] * 4, accepted=4)
+    assert model.by_confidence(0.95) > 0.3
+
+
+def test_acceptance_depends_on_position_as_well_as_confidence():
+    """Prompt lookup: every token of a copy has one confidence, the first is often rejected, and once
+    it is accepted the rest of the copy nearly always is. A by-confidence-only model would price every
+    position at the first one's rate and never verify a long copy."""
+    model = AcceptanceModel()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        model.update([0.5] * 8, accepted=8 if rng.random() < 0.4 else 0)
+    first, later = model.by_confidence(0.5, 0), model.by_confidence(0.5, 4)
+    assert first == pytest.approx(0.4, abs=0.1) and later > 0.9
+
+
+def test_acceptance_counts_judge_only_up_to_the_first_rejection():
+    counts = AcceptanceCounts()
+    counts.add([0.9, 0.9, 0.9, 0.9], accepted=1)
+    assert sum(counts.pos_judged) == 2 and sum(counts.pos_accepted) == 1
+    assert AcceptanceCounts.from_json(counts.to_json()) == counts
+
+
+# --- the policy in the engine ---------------------------------------------------------------------
+class SlowRandomDrafter(RandomDrafter):
+    """Never right, and each draft costs half a plain step of STEEP_MS."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = 0
+
+    def propose(self, *a, **k):
+        import time
+
+        self.calls += 1
+        time.sleep(0.005)
+        return super().propose(*a, **k)
+
+
+STEEP_MS = CostTable(ks=(0, 1, 64), contexts=(1,), verify_s=((0.01, 0.03, 0.6),))
+
+
+def test_a_drafter_that_is_never_right_is_switched_off_and_probed(target, tiny_model, tokenizer):
+    drafter = SlowRandomDrafter(len(tokenizer), seed=3)
+    engine = SpeculativeEngine(target, drafter, AutoPolicy(costs=STEEP_MS, calibrate=False))
+    result = engine.generate([11, 12, 13], max_new_tokens=120)
+    assert result.token_ids == reference_greedy(tiny_model, [11, 12, 13], 120)
+    off = result.speculation_off_rounds
+    assert off > 0.7 * result.num_rounds
+    assert drafter.calls == result.num_rounds - off  # an off round never calls the drafter
+    assert 2 <= drafter.calls < 0.3 * result.num_rounds  # but it is probed again now and then
+    assert result.stats_dict()["speculation_off_rounds"] == off
+
+
+def test_a_drafter_that_is_always_right_drafts_long_on_flat_costs(target, tiny_model):
+    prompt = [5, 6, 7]
+    full = prompt + reference_greedy(tiny_model, prompt, 60)
+    engine = SpeculativeEngine(target, ScriptedDrafter(full, confidence=0.99), AutoPolicy(costs=FLAT, calibrate=False))
+    result = engine.generate(prompt, max_new_tokens=60)
+    assert result.token_ids == full[3:]
+    assert result.speculation_off_rounds == 0
+    assert result.num_rounds <= 4 and result.mean_accepted_length > 15
+
+
+def test_unconfident_drafts_are_cut_before_the_verify_when_greedy(target, tiny_model):
+    """On steep costs a draft of confidence 0.05 is not worth a wide verify: the policy cuts it to 0."""
+    prompt = [5, 6, 7]
+    full = prompt + reference_greedy(tiny_model, prompt, 30)
+    engine = SpeculativeEngine(target, ScriptedDrafter(full, confidence=0.05), AutoPolicy(costs=STEEP, calibrate=False))
+    result = engine.generate(prompt, max_new_tokens=30)
+    assert result.token_ids == full[3:]
+    assert result.drafted_tokens == 0  # drafted, and cut before verifying
+
+
+def test_auto_policy_calibrates_once_and_reads_the_cache(tiny_model, tokenizer, monkeypatch, tmp_path):
+    import diffspec.policies.auto as auto
+
+    monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
+    target = Target(tiny_model, tokenizer)
+    first = AutoPolicy()
+    SpeculativeEngine(target, PromptLookupDrafter(), first)
+    assert first.calibration == {"prompt-lookup": "measured"}
+    assert len(first.sources["prompt-lookup"].cost_samples) > 0
+    monkeypatch.setattr(auto, "calibrate_drafter", lambda *a, **k: pytest.fail("calibrated again"))
+    second = AutoPolicy()
+    SpeculativeEngine(target, PromptLookupDrafter(), second)
+    assert second.calibration == {"prompt-lookup": "cache"} and second.costs == first.costs
+
+
+def test_bad_auto_settings_are_refused_by_name():
+    with pytest.raises(DiffspecError, match="max_draft"):
+        AutoPolicy(max_draft=0)
+    with pytest.raises(DiffspecError, match="decay"):
+        AutoPolicy(decay=1.5)
+    with pytest.raises(DiffspecError, match="recalibrate"):
+        make_policy("failfast", recalibrate=True)
+    assert isinstance(make_policy("auto"), AutoPolicy)
+
+
+# --- combined drafters ----------------------------------------------------------------------------
+def test_combined_drafter_names_and_refusals(target, tiny_model, tokenizer):
+    parts = [PromptLookupDrafter(), AutoregressiveDrafter(tiny_model, tokenizer, name="ar:self")]
+    combo = CombinedDrafter(parts)
+    assert combo.name == "prompt-lookup+ar:self" and combo.sources == ("prompt-lookup", "ar:self")
+    with pytest.raises(DiffspecError, match="differ"):
+        CombinedDrafter([PromptLookupDrafter(), PromptLookupDrafter()])
+    with pytest.raises(DiffspecError, match="at least two"):
+        CombinedDrafter([PromptLookupDrafter()])
+    with pytest.raises(DiffspecError, match="each part"):
+        make_drafter("prompt-lookup+none", target)
+
+
+def test_combined_drafter_verifies_the_better_proposal(target, tiny_model):
+    """The scripted drafter is right and confident, the random one never right: the combination follows
+    the scripted one, and still gives the target's greedy output."""
+    prompt = [5, 6, 7]
+    full = prompt + reference_greedy(tiny_model, prompt, 40)
+    right = ScriptedDrafter(full, confidence=0.95)
+    wrong = RandomDrafter(target.vocab_size, seed=2)
+    wrong.name = "wrong"
+    for policy in (AutoPolicy(costs=FLAT, calibrate=False), FixedPolicy(4)):
+        engine = SpeculativeEngine(target, CombinedDrafter([wrong, right]), policy)
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == full[3:]
+        chosen = [r.source for r in result.rounds if r.drafted]
+        assert chosen.count("scripted") > 0.8 * len(chosen)
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP, JUMP], ids=["flat", "steep", "jump"])
+@pytest.mark.parametrize("drafter_name", ["prompt-lookup", "ar-other", "ar-self", "random", "lookup+ar-other"])
+def test_auto_greedy_output_equals_target_greedy(target, tiny_model, other_model, tokenizer, drafter_name, costs):
+    from test_engine_greedy import PROMPTS
+
+    make = {"prompt-lookup": lambda: PromptLookupDrafter(),
+            "ar-other": lambda: AutoregressiveDrafter(other_model, tokenizer, name="ar:other"),
+            "ar-self": lambda: AutoregressiveDrafter(tiny_model, tokenizer, name="ar:self"),
+            "random": lambda: RandomDrafter(len(tokenizer), seed=0),
+            "lookup+ar-other": lambda: CombinedDrafter([PromptLookupDrafter(),
+                                                        AutoregressiveDrafter(other_model, tokenizer, name="ar:other")])}
+    engine = SpeculativeEngine(target, make[drafter_name](), AutoPolicy(costs=costs, calibrate=False))
+    for prompt in PROMPTS:  # one engine, several requests: nothing may leak between them
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == reference_greedy(tiny_model, prompt, 40), (drafter_name, prompt)
+        assert sum(r.emitted for r in result.rounds) == len(result.token_ids)
+        assert sum(result.draft_length_histogram.values()) == result.num_rounds
+
+
+# --- sampling: the distribution stays the target's ------------------------------------------------
+class CutUnlikely(LengthPolicy):
+    """A rule that would be wrong for drafts drawn from q: verify only the leading tokens whose draw
+    had probability >= 0.3 under q."""
+
+    name = "cut-unlikely"
+
+    def next_increment(self, confidences):
+        return 3 if not confidences else 0
+
+    def final_length(self, confidences, draft_seconds):
+        n = 0
+        while n < len(confidences) and confidences[n] >= 0.3:
+            n += 1
+        return n
+
+
+SAMPLES = 2000
+
+
+def first_two_counts(engine, params, n):
+    """Counts of the first two sampled tokens (only they are compared: max_new_tokens=2 keeps it quick)."""
+    from test_engine_sampling import PROMPT, V
+
+    counts = np.zeros(V * V)
+    for i in range(n):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=1000 + i)
+        out = engine.generate(PROMPT, max_new_tokens=2, sampling=sp, stop_token_ids=[]).token_ids
+        counts[out[0] * V + out[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["auto+lookup+ar", "cut+ar"])
+def test_auto_and_combined_sample_the_target_distribution(kind):
+    """auto + (prompt lookup, whose drafts it may cut, then an AR drafter drawing from q, which it may
+    not cut or prefer by its draw); and a policy that would cut by the draw, which the engine never asks."""
+    from test_engine_sampling import SETTINGS, chi_square_pvalue, exact_joint, V
+
+    model, draft_model = make_model(V, seed=5, std=0.6), make_model(V, seed=6, layers=1, std=0.6)
+    if kind == "cut+ar":
+        drafter, policy = AutoregressiveDrafter(draft_model), CutUnlikely()
+    else:
+        drafter = CombinedDrafter([PromptLookupDrafter(), AutoregressiveDrafter(draft_model)])
+        policy = AutoPolicy(costs=JUMP, calibrate=False)
+    engine = SpeculativeEngine(Target(model), drafter, policy)
+    params = SETTINGS["temperature"]
+    counts = first_two_counts(engine, params, SAMPLES)
+    assert chi_square_pvalue(counts, exact_joint(model, params)) > 1e-3
+
+
+def test_the_sampling_test_catches_a_cut_that_reads_the_draw(monkeypatch):
+    """Power check: let the engine cut drafts drawn from q by their drawn probability (the wrong rule
+    draft_may_be_judged forbids) and the same chi-square test fails."""
+    import diffspec.engine as engine_module
+    from test_engine_sampling import SETTINGS, chi_square_pvalue, exact_joint, V
+
+    monkeypatch.setattr(engine_module, "draft_may_be_judged", lambda draft, sampling: True)
+    model, draft_model = make_model(V, seed=5, std=0.6), make_model(V, seed=6, layers=1, std=0.6)
+    engine = SpeculativeEngine(Target(model), AutoregressiveDrafter(draft_model), CutUnlikely())
+    params = SETTINGS["temperature"]
+    assert chi_square_pvalue(first_two_counts(engine, params, SAMPLES), exact_joint(model, params)) < 1e-6
