@@ -47,9 +47,15 @@ def make_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 32
 
 
 def pytest_configure(config):
-    """Under pytest-xdist each worker has one core: one thread from the start, fixtures included."""
+    """Under pytest-xdist each worker has one core: one thread from the start, fixtures included.
+    Cost tables timed during tests (the auto policy's) go to a folder of this run, never to the
+    user's cache: timings taken while tests share the cores would mislead later runs."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+    if not os.environ.get("DIFFSPEC_COST_CACHE"):
+        import tempfile
+
+        os.environ["DIFFSPEC_COST_CACHE"] = tempfile.mkdtemp(prefix="diffspec-test-costs-")
 
 
 @pytest.fixture(autouse=True)

@@ -87,6 +87,8 @@ def test_cost_cache_is_reused_and_keyed_by_model_and_machine(tiny_model, tokeniz
     import diffspec.costs as costs
 
     monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
+
+    monkeypatch.delenv("DIFFSPEC_COST_CACHE", raising=False)
     target = Target(tiny_model, tokenizer)
     first, cached = costs.load_or_measure_verify_costs(target)
     assert not cached
@@ -190,6 +192,8 @@ def test_auto_policy_calibrates_once_and_reads_the_cache(tiny_model, tokenizer, 
     import diffspec.policies.auto as auto
 
     monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
+
+    monkeypatch.delenv("DIFFSPEC_COST_CACHE", raising=False)
     target = Target(tiny_model, tokenizer)
     first = AutoPolicy()
     SpeculativeEngine(target, PromptLookupDrafter(), first)

@@ -17,6 +17,7 @@ REAL_MEASURE = costs.measure_verify_costs
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DIFFSPEC_COST_CACHE", raising=False)
     return tmp_path / "cache" / "costs"
 
 

@@ -51,6 +51,8 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     options = dict(policy_options)
     if options.get("gamma") is None and drafter_obj is not None:
         options["gamma"] = drafter_obj.default_gamma
+    if policy == "auto":
+        options["progress"] = not quiet  # the first start on a machine times its costs (~1 min on a CPU): say so
     pol = policy if isinstance(policy, LengthPolicy) else make_policy(policy, **options)
     engine = SpeculativeEngine(target, drafter_obj, pol)
     if engine_key is not None:

@@ -348,6 +348,8 @@ def _generate(args) -> int:
         raise DiffspecError("prompt is empty")
     if args.max_new_tokens <= 0:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.recalibrate and args.policy != "auto":
+        raise DiffspecError(f"--recalibrate applies to the auto policy, not '{args.policy}'")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          quiet=args.json, drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n, n_max=args.n_max,

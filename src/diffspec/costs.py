@@ -1,7 +1,9 @@
 """What a round costs on this machine: the target's verify pass for k drafted tokens (measured on a
 ladder of k at a few context lengths) and a drafter's draft time (a fixed part and a per-token part).
 
-Measured once per machine x model x dtype (x drafter) and kept as JSON under $DIFFSPEC_CACHE/costs,
+Measured once per machine x model x dtype (x drafter) and kept as JSON under $DIFFSPEC_CACHE/costs
+($DIFFSPEC_COST_CACHE overrides: the tests point it at a temporary folder, so timings taken while
+tests share the cores never land in the user's cache),
 so the next start reads it in milliseconds; `recalibrate=True` (`--recalibrate`) measures again.
 The key holds the CPU model and flags, thread count, torch version, the accelerator's name and a
 fingerprint of the model's config and weights: another machine or model never reuses a table.
@@ -131,9 +133,10 @@ def non_decreasing(values: Sequence[float]) -> list:
 
 # --- keys and the cache folder -----------------------------------------------------------------
 def cost_dir() -> Path:
+    """$DIFFSPEC_COST_CACHE, else $DIFFSPEC_CACHE/costs (~/.cache/diffspec/costs)."""
     from .models import cache_root
 
-    return cache_root() / "costs"
+    return Path(os.environ.get("DIFFSPEC_COST_CACHE") or cache_root() / "costs")
 
 
 def machine_key(device) -> dict:
@@ -246,6 +249,10 @@ def load_or_measure_verify_costs(target, recalibrate: bool = False, progress: bo
         d = _read(path)
         if d is not None and d.get("key") == key:
             return CostTable.from_json(d), True
+    if progress:
+        import sys
+
+        print("diffspec: timing the target's verify passes on this machine (once; cached)", file=sys.stderr)
     table = measure_verify_costs(target, progress=progress)
     _write(path, table.to_json())
     return table, False

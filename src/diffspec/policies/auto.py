@@ -24,6 +24,7 @@ record promises more than the cheap one's draft; the proposal with the larger ex
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from typing import Optional, Sequence
 
@@ -88,7 +89,7 @@ class AutoPolicy(LengthPolicy):
         return self.sources[name]
 
     def attach(self, target, drafter) -> None:
-        from ..costs import drafter_calibration, load_or_measure_verify_costs
+        from ..costs import drafter_calibration, drafter_path, load_or_measure_verify_costs
 
         if self.costs is None:
             self.costs, _ = load_or_measure_verify_costs(target, recalibrate=self.recalibrate, progress=self.progress)
@@ -96,6 +97,8 @@ class AutoPolicy(LengthPolicy):
         if drafter is None or not self.calibrate:
             return
         for part in getattr(drafter, "parts", (drafter,)):
+            if self.progress and (self.recalibrate or not drafter_path(target, part).is_file()):
+                print(f"diffspec: timing drafter {part.name} on this machine (once; cached)", file=sys.stderr)
             record, origin, _ = drafter_calibration(target, part, recalibrate=self.recalibrate)
             self.seed(part.name, record)
             self.calibration[part.name] = origin
@@ -241,6 +244,7 @@ def calibrate_drafter(target, drafter, new_tokens: int = 32, gammas: Sequence[in
     else:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.vocab_size, (24,), generator=gen).tolist() for _ in CALIBRATION_PROMPTS]
+    prompts = [p[-max(1, target.max_context // 2):] for p in prompts]  # a short context still calibrates
     room = max(1, min(new_tokens, target.max_context - max(len(p) for p in prompts) - 1))
     for gamma in gammas:
         engine = SpeculativeEngine(target, drafter, FixedPolicy(gamma=gamma))
