@@ -63,7 +63,9 @@ def cli(*args):
     (["generate", "w1", "--model", "/no/such/model"], "not found"),
     (["generate", "w1 " * 40, "--raw", "--max-context", "16"], "context"),
     (["generate", "w1", "--drafter", "nonsense"], "unknown drafter"),
-    (["generate", "w1", "--policy", "failfast", "--recalibrate"], "recalibrate applies to the auto policy"),
+    (["generate", "w1", "--policy", "failfast", "--recalibrate"], "--recalibrate does not apply to the failfast"),
+    (["generate", "w1", "--gamma", "4"], "--gamma does not apply to the auto policy"),
+    (["generate", "w1", "--policy", "fixed", "--tau", "0.3", "--n", "4"], "--tau, --n do not apply to the fixed"),
     (["generate", "w1", "--drafter", "prompt-lookup+none"], "each part of A+B"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):

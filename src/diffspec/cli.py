@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto policy: time this machine's verify and draft costs again instead of reading their cache")
     g.add_argument("--gamma", type=int, default=None,
                    help="fixed policy: tokens drafted per round (default: the drafter's; 16 for masked-diffusion, 8 else)")
-    g.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
-    g.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
-    g.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")
+    g.add_argument("--tau", type=float, default=None, help="failfast: confidence threshold (default 0.45)")
+    g.add_argument("--n", dest="n", type=int, default=None, help="failfast: window increment N (default 10)")
+    g.add_argument("--n-max", type=int, default=None, help="failfast: maximum draft length (default 60)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -211,9 +211,9 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
     s.add_argument("--recalibrate", action="store_true",
                    help="auto policy: time this machine's verify and draft costs again instead of reading their cache")
     s.add_argument("--gamma", type=int, default=None, help="fixed policy: tokens drafted per round (default: the drafter's)")
-    s.add_argument("--tau", type=float, default=0.45, help="failfast: confidence threshold (default 0.45)")
-    s.add_argument("--n", dest="n", type=int, default=10, help="failfast: window increment N (default 10)")
-    s.add_argument("--n-max", type=int, default=60, help="failfast: maximum draft length (default 60)")
+    s.add_argument("--tau", type=float, default=None, help="failfast: confidence threshold (default 0.45)")
+    s.add_argument("--n", dest="n", type=int, default=None, help="failfast: window increment N (default 10)")
+    s.add_argument("--n-max", type=int, default=None, help="failfast: maximum draft length (default 60)")
     s.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     s.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in (default auto: timed at load)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
@@ -348,12 +348,10 @@ def _generate(args) -> int:
         raise DiffspecError("prompt is empty")
     if args.max_new_tokens <= 0:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
-    if args.recalibrate and args.policy != "auto":
-        raise DiffspecError(f"--recalibrate applies to the auto policy, not '{args.policy}'")
+    options = policy_options(args)  # a setting the policy would not read is refused before the model loads
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         quiet=args.json, drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n, n_max=args.n_max,
-                         **({"recalibrate": True} if args.recalibrate else {}))
+                         quiet=args.json, drafter_dtype=args.drafter_dtype, **options)
     stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            chat=not args.raw, system=args.system)
     if args.json:
@@ -374,6 +372,20 @@ def _generate(args) -> int:
           f"k histogram {format_histogram(r.draft_length_histogram)} | finish {r.finish_reason}"
           + "".join(f" | note: {n}" for n in r.notes) + "]", file=sys.stderr)
     return 0
+
+
+def policy_options(args) -> dict:
+    """The --policy settings the user gave, for make_policy; one that the chosen policy would not read
+    (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
+    given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
+             "recalibrate": True if getattr(args, "recalibrate", False) else None}
+    reads = {"fixed": {"gamma"}, "failfast": {"tau", "n", "n_max"}, "auto": {"recalibrate"}}[args.policy]
+    flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}
+    ignored = [flags[k] for k, v in given.items() if v is not None and k not in reads]
+    if ignored:
+        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
+                            f"{args.policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _bench(args) -> int:

@@ -110,12 +110,12 @@ def serve_command(args) -> int:
     _require_server_packages()
     if args.max_queue < 0:
         raise DiffspecError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if getattr(args, "recalibrate", False) and args.policy != "auto":
-        raise DiffspecError(f"--recalibrate applies to the auto policy, not '{args.policy}'")
+    from ..cli import policy_options
+
+    options = policy_options(args)  # a setting the policy would not read is refused before the model loads
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         drafter_dtype=args.drafter_dtype, gamma=args.gamma, tau=args.tau, n=args.n,
-                         n_max=args.n_max, **({"recalibrate": True} if getattr(args, "recalibrate", False) else {}))
+                         drafter_dtype=args.drafter_dtype, **options)
     config = ServerConfig(model_name=args.served_model_name or engine.target.name, api_key=args.api_key,
                           max_queue=args.max_queue, host=args.host, port=args.port)
     drafter = engine.drafter.describe() if engine.drafter else "none"
