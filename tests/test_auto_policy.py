@@ -5,11 +5,10 @@ combined drafter keep greedy outputs identical and sampled outputs distributed a
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import make_model, reference_greedy
 from helpers import RandomDrafter, ScriptedDrafter
-from diffspec import AutoregressiveDrafter, FixedPolicy, PromptLookupDrafter, SamplingParams, SpeculativeEngine, Target
+from diffspec import AutoregressiveDrafter, FixedPolicy, PromptLookupDrafter, SpeculativeEngine, Target
 from diffspec.costs import CostTable, DraftCost, fit_draft_cost
 from diffspec.drafters import CombinedDrafter, make_drafter
 from diffspec.errors import DiffspecError
@@ -284,15 +283,10 @@ SAMPLES = 2000
 
 
 def first_two_counts(engine, params, n):
-    """Counts of the first two sampled tokens (only they are compared: max_new_tokens=2 keeps it quick)."""
-    from test_engine_sampling import PROMPT, V
+    """test_engine_sampling's counts, generating only the two compared tokens (quicker)."""
+    from test_engine_sampling import sample_counts
 
-    counts = np.zeros(V * V)
-    for i in range(n):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=1000 + i)
-        out = engine.generate(PROMPT, max_new_tokens=2, sampling=sp, stop_token_ids=[]).token_ids
-        counts[out[0] * V + out[1]] += 1
-    return counts
+    return sample_counts(engine, params, n, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kind", ["auto+lookup+ar", "cut+ar"])

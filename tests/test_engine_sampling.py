@@ -54,11 +54,12 @@ def chi_square_pvalue(counts, probs):
     return chisquare(obs, exp).pvalue
 
 
-def sample_counts(engine, params, n):
+def sample_counts(engine, params, n, max_new_tokens=4):
+    """Counts of the first two sampled tokens over n seeded requests (only they are compared)."""
     counts = np.zeros(V * V)
     for i in range(n):
         sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=1000 + i)
-        out = engine.generate(PROMPT, max_new_tokens=4, sampling=sp, stop_token_ids=[]).token_ids
+        out = engine.generate(PROMPT, max_new_tokens=max_new_tokens, sampling=sp, stop_token_ids=[]).token_ids
         counts[out[0] * V + out[1]] += 1
     return counts
 

@@ -25,6 +25,7 @@ import torch
 
 from .devices import host_info, synchronize
 from .errors import DiffspecError
+from .output import write_atomically
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (64, 256, 1024)
@@ -187,10 +188,7 @@ def _read(path: Path) -> Optional[dict]:
 
 
 def _write(path: Path, d: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(d, indent=1))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(d, indent=1))
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -270,21 +268,23 @@ def verify_path(target) -> Path:
     return cost_dir() / f"verify-{verify_key(target)}.json"
 
 
-def drafter_path(target, drafter) -> Path:
-    return cost_dir() / f"drafter-{drafter_key(target, drafter)}.json"
-
-
-def drafter_calibration(target, drafter, recalibrate: bool = False) -> tuple:
+def drafter_calibration(target, drafter, recalibrate: bool = False, progress: bool = False) -> tuple:
     """A drafter's calibration record (policies/auto.py `calibrate_drafter`) from the cache, or measured
-    now and cached. The drafter must be attached. -> (record, 'cache' | 'measured', path)."""
+    now (announced on stderr with `progress`) and cached. The drafter must be attached.
+    -> (record, 'cache' | 'measured', path)."""
     from .policies.auto import calibrate_drafter
 
-    path = drafter_path(target, drafter)  # the key is taken once: calibrating re-attaches the drafter
+    key = drafter_key(target, drafter)  # taken once: calibrating re-attaches the drafter
+    path = cost_dir() / f"drafter-{key}.json"
     if not recalibrate:
         d = _read(path)
-        if d is not None and d.get("key") == path.stem.removeprefix("drafter-"):
+        if d is not None and d.get("key") == key:
             return d, "cache", path
-    record = {"format": FORMAT, "key": path.stem.removeprefix("drafter-"), "drafter": drafter.describe(),
-              **calibrate_drafter(target, drafter)}
+    if progress:
+        import sys
+
+        print(f"diffspec: timing drafter {drafter.name} on this machine (a short run at fixed draft lengths; "
+              f"once, then cached)", file=sys.stderr)
+    record = {"format": FORMAT, "key": key, "drafter": drafter.describe(), **calibrate_drafter(target, drafter)}
     _write(path, record)
     return record, "measured", path

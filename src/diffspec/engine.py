@@ -96,7 +96,7 @@ class SpeculativeEngine:
         target.reset()
         passes_before = target.forward_passes
         policy.begin_request(sampling.greedy)
-        sources = getattr(drafter, "sources", (drafter.name,)) if drafter is not None else ()
+        sources = drafter.sources if drafter is not None else ()
         if drafter is not None:
             drafter.begin(tokens)
         if len(prompt_ids) > 1:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -35,6 +33,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from .errors import DiffspecError
+from .output import pyplot_or_warn, write_atomically
 
 DOMAINS = {"humaneval": "code", "mtbench": "chat", "champ": "math"}  # evaluation set -> domain
 DEFAULT_SETS = tuple(DOMAINS)
@@ -212,23 +211,6 @@ def read_cached(path: Path, key: dict) -> Optional[list]:
         return [Continuation(tuple(int(t) for t in c["ids"]), int(c["prompt_len"])) for c in data["continuations"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write a file so that readers see the old contents or the new, never a part (same-folder rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; give it an ordinary file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def cached_continuations(target, set_name: str, prompts: Sequence[Sequence[int]], num_prompts: int,
@@ -416,13 +398,9 @@ def write_health(health: DrafterHealth, out_dir) -> list:
 
 def plot_slot_acceptance(health: DrafterHealth, path) -> Optional[Path]:
     """One line per domain (overall dashed): x = slot 1..B-1, y = share of anchors accepting it."""
-    try:
-        import matplotlib
-    except ImportError:
-        warnings.warn("matplotlib is not installed: skipping slot_acceptance.png (pip install matplotlib)")
+    plt = pyplot_or_warn("slot_acceptance.png")
+    if plt is None:
         return None
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
     slots = list(range(1, health.block_size))
     fig, ax = plt.subplots(figsize=(7, 4.2))

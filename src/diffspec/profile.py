@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from .costs import VERIFY_KS, CostTable
 from .errors import DiffspecError
+from .output import pyplot_or_warn, write_atomically
 
 MIN_CONTEXT = max(VERIFY_KS) + 2  # a context token, then the largest verify block: below this nothing is timed
 
@@ -156,13 +156,10 @@ def check_drafter_spec(spec: str) -> None:
 # --- the work ----------------------------------------------------------------------------------
 def profile_drafter(target, part, recalibrate: bool = False, progress: bool = False) -> DrafterProfile:
     """One drafter's calibration record: from the cache, else a calibration run (written to the cache)."""
-    from .costs import drafter_calibration, drafter_path, fit_draft_cost
+    from .costs import drafter_calibration, fit_draft_cost
 
     part.attach(target)  # before its key: attaching settles what it computes in
-    if progress and (recalibrate or not drafter_path(target, part).is_file()):
-        print(f"diffspec profile: calibrating drafter {part.describe()} (a short run at fixed draft lengths)",
-              file=sys.stderr)
-    record, origin, path = drafter_calibration(target, part, recalibrate=recalibrate)
+    record, origin, path = drafter_calibration(target, part, recalibrate=recalibrate, progress=progress)
     record = {k: v for k, v in record.items() if k not in ("format", "key", "drafter")}
     cost = fit_draft_cost(record.get("costs", []))
     return DrafterProfile(name=part.name, description=part.describe(), origin=origin,
@@ -186,7 +183,7 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
         drafter = make_drafter(drafter, target, dtype=target.dtype, device=str(target.device),
                                compute_dtype=drafter_dtype, combine=True)
     costs, from_cache = load_or_measure_verify_costs(target, recalibrate=recalibrate, progress=progress)
-    parts = () if drafter is None else tuple(getattr(drafter, "parts", (drafter,)))
+    parts = () if drafter is None else drafter.parts
     drafters = tuple(profile_drafter(target, p, recalibrate=recalibrate, progress=progress) for p in parts)
     return Profile(target=target.name, dtype=str(target.dtype).replace("torch.", ""), device=str(target.device),
                    max_context=target.max_context, costs=costs, origin="cache" if from_cache else "measured",
@@ -196,8 +193,6 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
 # --- output ------------------------------------------------------------------------------------
 def write_profile(profile: Profile, out_dir) -> list:
     """Write profile.json and verify_cost.png (skipped with a warning without matplotlib) -> the paths."""
-    from .evaluation import write_atomically
-
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "profile.json"
@@ -211,13 +206,9 @@ def write_profile(profile: Profile, out_dir) -> list:
 
 def plot_verify_cost(profile: Profile, path) -> Optional[Path]:
     """Verify ms vs k, one line per context length."""
-    try:
-        import matplotlib
-    except ImportError:
-        warnings.warn("matplotlib is not installed: skipping verify_cost.png (pip install matplotlib)")
+    plt = pyplot_or_warn("verify_cost.png")
+    if plt is None:
         return None
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
     t = profile.costs
     fig, ax = plt.subplots(figsize=(7, 4.2))

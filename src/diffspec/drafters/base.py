@@ -45,6 +45,16 @@ class Drafter(ABC):
     max_tokens_per_round: Optional[int] = None  # the most one round can draft (None: no cap)
     compute_dtype: Optional[str] = None    # with capabilities.chooses_dtype: None (as loaded), 'auto' or a dtype name
 
+    @property
+    def parts(self) -> tuple:
+        """The drafters this one is made of (itself; a combined drafter's parts, see combined.py)."""
+        return (self,)
+
+    @property
+    def sources(self) -> tuple:
+        """The names a policy plans rounds by: one per part."""
+        return tuple(p.name for p in self.parts)
+
     def attach(self, target) -> None:
         """Called once by the engine: check the target is compatible, keep what is needed of it.
 

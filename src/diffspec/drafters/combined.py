@@ -35,9 +35,8 @@ class CombinedDrafter(Drafter):
         if len(readers) > 1:
             raise DiffspecError(f"at most one part of a combined drafter may read the target's hidden states "
                                 f"({', '.join(p.name for p in readers)} both do)")
-        self.parts = parts
+        self._parts = parts
         self.name = "+".join(names)
-        self.sources = tuple(names)
         self._reader = readers[0] if readers else None
         caps = [p.capabilities for p in parts]
         self.capabilities = DrafterCapabilities(
@@ -53,6 +52,10 @@ class CombinedDrafter(Drafter):
         self.default_gamma = max(p.default_gamma for p in parts)
         caps_per_round = [p.max_tokens_per_round for p in parts]
         self.max_tokens_per_round = None if None in caps_per_round else max(caps_per_round)
+
+    @property
+    def parts(self) -> tuple:
+        return self._parts
 
     @property
     def compute_dtype(self) -> Optional[str]:

@@ -24,7 +24,6 @@ record promises more than the cheap one's draft; the proposal with the larger ex
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from typing import Optional, Sequence
 
@@ -89,17 +88,15 @@ class AutoPolicy(LengthPolicy):
         return self.sources[name]
 
     def attach(self, target, drafter) -> None:
-        from ..costs import drafter_calibration, drafter_path, load_or_measure_verify_costs
+        from ..costs import drafter_calibration, load_or_measure_verify_costs
 
         if self.costs is None:
             self.costs, _ = load_or_measure_verify_costs(target, recalibrate=self.recalibrate, progress=self.progress)
         self._curves = {}
         if drafter is None or not self.calibrate:
             return
-        for part in getattr(drafter, "parts", (drafter,)):
-            if self.progress and (self.recalibrate or not drafter_path(target, part).is_file()):
-                print(f"diffspec: timing drafter {part.name} on this machine (once; cached)", file=sys.stderr)
-            record, origin, _ = drafter_calibration(target, part, recalibrate=self.recalibrate)
+        for part in drafter.parts:
+            record, origin, _ = drafter_calibration(target, part, recalibrate=self.recalibrate, progress=self.progress)
             self.seed(part.name, record)
             self.calibration[part.name] = origin
 
