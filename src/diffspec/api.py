@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from .backends import check_backend_settings, load_target
 from .devices import parse_dtype
 from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
 from .policies import LengthPolicy, make_policy
-from .target import Target
 from .types import GenerationResult, SamplingParams
 
 DEFAULT_DRAFTER = "auto"  # prompt-lookup (+ the shipped trained drafter for the target, with the auto policy)
@@ -29,21 +29,23 @@ _ENGINES: dict = {}
 def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
                 policy: "str | LengthPolicy" = DEFAULT_POLICY, dtype: str = "float32", device: str = "cpu",
                 max_context: Optional[int] = None, quiet: bool = False, drafter_dtype: str = "auto",
-                **policy_options) -> SpeculativeEngine:
+                backend: str = "auto", **policy_options) -> SpeculativeEngine:
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
-    drafters/dtype_choice.py)."""
+    drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
+    check_backend_settings(backend, model, torch_dtype, device)
     engine_key = None
     if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
-        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype,
+        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype, backend,
                       tuple(sorted(policy_options.items())))
         if engine_key in _ENGINES:
             return _ENGINES[engine_key]
-    key = (model, dtype, device, max_context)
+    key = (model, dtype, device, max_context, backend)
     if key not in _TARGETS:
-        _TARGETS[key] = Target.load(model, dtype=torch_dtype, device=device, max_context=max_context, quiet=quiet)
+        _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,
+                                    quiet=quiet)
     target = _TARGETS[key]
     combine = policy == "auto" or getattr(policy, "name", None) == "auto"
     drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype,

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in: auto (default: "
                    "timed at load, bfloat16 where it is 1.2x faster) or a dtype; the output is the target's either way")
     g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    g.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
+                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--list-drafters", action="store_true", help="list drafter names and exit")
     t = sub.add_parser("train-drafter", help="train a drafter for a target from the target's own outputs",
@@ -134,6 +137,9 @@ def _add_profile_parser(sub, default_model: str, drafter_names) -> None:
     p.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes "
                                                            "in (default auto, as generate and serve)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    p.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
+                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
     p.add_argument("--recalibrate", action="store_true", help="measure again instead of reading the cache (and "
                                                               "replace the cached tables)")
     p.add_argument("--out", default=None, help="folder for profile.json and verify_cost.png")
@@ -217,6 +223,9 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
     s.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     s.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in (default auto: timed at load)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    s.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
+                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     s.add_argument("--api-key", default=os.environ.get("DIFFSPEC_API_KEY") or None,
@@ -247,6 +256,9 @@ def _add_bench_parser(sub, default_model: str) -> None:
     b.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    b.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
+                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
     b.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
     b.add_argument("--raster-prompt", default=None, help="prompt id for the acceptance raster (default the first)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -351,7 +363,7 @@ def _generate(args) -> int:
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         quiet=args.json, drafter_dtype=args.drafter_dtype, **options)
+                         quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend, **options)
     stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            chat=not args.raw, system=args.system)
     if args.json:
@@ -365,7 +377,8 @@ def _generate(args) -> int:
     r = stream.result
     print()
     print(f"[{len(r.token_ids)} tokens in {r.wall_time_s:.2f} s = {r.tokens_per_s:.1f} tok/s | "
-          f"drafter {engine.drafter.describe() if engine.drafter else 'none'}, policy {engine.policy.describe()} | "
+          f"backend {engine.target.backend}, drafter {engine.drafter.describe() if engine.drafter else 'none'}, "
+          f"policy {engine.policy.describe()} | "
           f"rounds {r.num_rounds}, drafted {r.drafted_tokens}, accepted {r.accepted_tokens}, "
           f"mean accepted length {r.mean_accepted_length:.2f} | forward passes: target {r.target_forward_passes}, "
           f"drafter {r.drafter_forward_passes} | speculation off {r.speculation_off_rounds} rounds, "
@@ -394,8 +407,8 @@ def _bench(args) -> int:
     import torch
 
     from .devices import parse_dtype
+    from .backends import check_backend_settings, load_target
     from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
-    from .target import Target
 
     if args.list_methods:
         print(list_methods())
@@ -414,7 +427,9 @@ def _bench(args) -> int:
     prepare(config)  # bad methods, parameters or prompt files fail before the model loads
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
-    target = Target.load(args.model, dtype=parse_dtype(args.dtype), device=args.device, quiet=args.quiet)
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device)
+    target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,
+                         quiet=args.quiet)
     result = run_bench(config, target, out=args.out)
     best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
     print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)

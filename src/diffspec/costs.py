@@ -193,7 +193,8 @@ def _write(path: Path, d: dict) -> None:
 
 # --- measuring ---------------------------------------------------------------------------------
 def verify_key(target) -> str:
-    return cache_key("verify", machine_key(target.device), target.name, str(target.dtype), model_fingerprint(target.model))
+    return cache_key("verify", machine_key(target.device), target.name, str(target.dtype), target.backend,
+                     target.fingerprint)
 
 
 def measure_verify_costs(target, ks: Sequence[int] = VERIFY_KS, contexts: Sequence[int] = CONTEXTS, reps: int = 3,

@@ -44,7 +44,12 @@ Prompt = Union[str, Sequence[int], torch.Tensor]
 class SpeculativeEngine:
     """A target, an optional drafter and a speculation-length policy. One request at a time."""
 
-    def __init__(self, target: Target, drafter: Optional[Drafter] = None, policy: Optional[LengthPolicy] = None):
+    def __init__(self, target: Target, drafter: Optional[Drafter] = None, policy: Optional[LengthPolicy] = None,
+                 allow_inexact: bool = False):
+        if drafter is not None and not getattr(target, "speculation_exact", True) and not allow_inexact:
+            raise DiffspecError(f"speculative decoding on the {target.backend} backend is not exact yet (its output "
+                                f"diverged from the backend's own plain decoding on long contexts); use --drafter none "
+                                f"for its plain speed, or --backend transformers for exact speculation")
         if drafter is not None:
             drafter.attach(target)
         self.target = target
@@ -100,7 +105,7 @@ class SpeculativeEngine:
         if drafter is not None:
             drafter.begin(tokens)
         if len(prompt_ids) > 1:
-            out = target.forward(tokens[:-1], hidden_layers=layers)
+            out = target.forward(tokens[:-1], hidden_layers=layers, logits=False)  # its logits go unread
             if layers:
                 drafter.observe(out.hidden_states, start=0)
         yield time.perf_counter() - t0, target.forward_passes - passes_before
@@ -110,6 +115,8 @@ class SpeculativeEngine:
             # 1. draft
             t0 = time.perf_counter()
             limit = max_new_tokens - generated - 1  # the target adds one token of its own
+            if target.max_verify_tokens is not None:  # wider passes would not be exact on this backend
+                limit = min(limit, target.max_verify_tokens - 1)
             planned = policy.plan_round(tokens.shape[0], sources) if drafter is not None and limit > 0 else ()
             draft, costs = Draft.empty(device), ()
             if planned:

@@ -149,6 +149,47 @@ def _convert(gguf: Path, out: Path, quiet: bool) -> None:
         print(f"diffspec: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
+def gguf_file(spec: Optional[str]) -> Optional[Path]:
+    """The GGUF file a model spec names (a registered name or a .gguf path), else None. A .gguf
+    path that does not exist is an error."""
+    spec = spec or DEFAULT_MODEL
+    if spec in BUILTIN_MODELS:
+        return builtin_gguf_path(spec)
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise DiffspecError(f"model file not found: {spec}")
+        return path
+    return None
+
+
+def gguf_text_side(gguf: Path, quiet: bool = False):
+    """(tokenizer, config) of a GGUF file without its weights: read from the full conversion when
+    there is one, else converted once into a small cache folder (tokenizer + config only), so a
+    backend that runs the GGUF itself never dequantizes it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    full = _gguf_cache_dir(gguf)
+    where = full if _converted(full) else full.with_name(full.name + "-text")
+    done = lambda: (where / "config.json").is_file() and (where / "tokenizer_config.json").is_file()  # noqa: E731
+    if not done():
+        with _exclusive(where):
+            if not done():
+                tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    with _no_progress_bars():
+                        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+                        AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+                except Exception as e:  # a broken or unsupported GGUF: say which file
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise DiffspecError(f"could not read the tokenizer of GGUF file {gguf}: {type(e).__name__}: {e}") from e
+                shutil.rmtree(where, ignore_errors=True)
+                tmp.rename(where)
+    with _no_progress_bars():
+        return AutoTokenizer.from_pretrained(str(where)), AutoConfig.from_pretrained(str(where))
+
+
 def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
     """A model spec -> something `from_pretrained` loads (a local folder or a hub id)."""
     spec = spec or DEFAULT_MODEL

@@ -73,14 +73,15 @@ class Profile:
     cache_file: str
     machine: dict               # the machine key the table is filed under (costs.machine_key)
     drafters: tuple = ()        # DrafterProfile per part
+    backend: str = "transformers"  # what ran the target (backends/)
 
     @property
     def from_cache(self) -> bool:
         return self.origin == "cache"
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "dtype": self.dtype, "device": self.device, "max_context": self.max_context,
-                "machine": self.machine,
+        return {"target": self.target, "backend": self.backend, "dtype": self.dtype, "device": self.device,
+                "max_context": self.max_context, "machine": self.machine,
                 "verify": {"origin": self.origin, "cache_file": self.cache_file, **self.costs.to_json()},
                 "drafters": [d.to_dict() for d in self.drafters]}
 
@@ -90,7 +91,7 @@ class Profile:
         ms = [f"ms@{c}" for c in t.contexts]
         ratio = [f"x@{c}" for c in t.contexts]
         width = max(8, max(len(h) for h in ms + ratio) + 1)
-        lines = [f"target {self.target} ({self.dtype}, {self.device}, max context {self.max_context})",
+        lines = [f"target {self.target} ({self.backend}, {self.dtype}, {self.device}, max context {self.max_context})",
                  f"verify cost of one pass over k drafted tokens ({'read from the cache' if self.from_cache else 'measured now'}):",
                  f"{'k':>4s} |" + "".join(f"{h:>{width}s}" for h in ms) + " |" + "".join(f"{h:>{width}s}" for h in ratio)]
         for i, k in enumerate(t.ks):
@@ -187,7 +188,8 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
     drafters = tuple(profile_drafter(target, p, recalibrate=recalibrate, progress=progress) for p in parts)
     return Profile(target=target.name, dtype=str(target.dtype).replace("torch.", ""), device=str(target.device),
                    max_context=target.max_context, costs=costs, origin="cache" if from_cache else "measured",
-                   cache_file=str(verify_path(target)), machine=machine_key(target.device), drafters=drafters)
+                   cache_file=str(verify_path(target)), machine=machine_key(target.device), drafters=drafters,
+                   backend=target.backend)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -232,11 +234,13 @@ def plot_verify_cost(profile: Profile, path) -> Optional[Path]:
 
 def profile_command(args) -> int:
     """`diffspec profile` (cli.py parses the arguments)."""
+    from .backends import check_backend_settings, load_target
     from .devices import parse_dtype
-    from .target import Target
 
     check_profile_args(args.dtype, args.max_context, args.out, args.drafter, args.drafter_dtype)
-    target = Target.load(args.model, dtype=parse_dtype(args.dtype), max_context=args.max_context, quiet=args.json)
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), "cpu")
+    target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), max_context=args.max_context,
+                         quiet=args.json)
     profile = profile_target(target, args.drafter, recalibrate=args.recalibrate, progress=not args.json,
                              drafter_dtype=args.drafter_dtype)
     if args.out is not None:

@@ -1,9 +1,15 @@
 """The target model: the AR model whose output diffspec reproduces exactly.
 
-`Target` wraps any transformers causal LM with a position-indexed KV cache:
-`forward(tokens)` appends tokens to the cache and returns one row of logits per token (and, on
-request, hidden states of chosen layers), `truncate(n)` rolls the cache back to n positions.
-A round verifies k drafted tokens in ONE forward pass of k+1 tokens.
+The target contract (`TargetBase`), which the engine, drafters, policies, bench and server rely on:
+`forward(tokens)` appends tokens to a position-indexed KV cache and returns one row of logits per
+token (and, on request, hidden states of chosen layers), `truncate(n)` rolls the cache back to n
+positions, `reset()` empties it; `encode_prompt` / `decode` / `stop_token_ids` handle text. A round
+verifies k drafted tokens in ONE forward pass of k+1 tokens.
+
+Two backends implement it: `Target` here (any transformers causal LM) and
+`backends.llama_cpp.LlamaCppTarget` (a GGUF file run by llama.cpp). Whatever only a transformers
+model has (`.model`, its embeddings, `generate`) is reached through `Target` alone; code that needs
+it checks `target.backend` and refuses another backend by name.
 """
 
 from __future__ import annotations
@@ -93,63 +99,30 @@ def generation_eos_ids(model) -> set:
     return {int(e) for e in eos}
 
 
-class Target:
-    """A causal LM with a KV cache that can be rolled back. One request at a time."""
+class TargetBase:
+    """What every backend shares: the text side (prompt encoding with the chat template, decoding,
+    the vocabulary's fingerprint). A backend sets tokenizer, name, max_context, device, dtype,
+    stop_token_ids, forward_passes and implements forward / truncate / reset / cache_len /
+    vocab_size / fingerprint."""
 
-    def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model"):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.name = name
-        cfg = model.config.get_text_config(decoder=True)
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.hidden_size = int(cfg.hidden_size)
-        limit = getattr(cfg, "max_position_embeddings", None) or 2048
-        self.max_context = int(min(max_context, limit) if max_context else limit)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        # what transformers' generate stops on, plus the end of an assistant turn in the chat template
-        self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
-        self.forward_passes = 0
-        self._cache = new_cache(model.config)
+    backend = "abstract"
+    tokenizer = None
+    name = "model"
+    #: the drafters that need the target's hidden states (or its weights) can run on this backend
+    exposes_hidden_states = True
+    #: the widest pass whose every row equals a one-token pass (None: any width); the engine never
+    #: verifies more than this many tokens at once
+    max_verify_tokens: Optional[int] = None
+    #: every verify pass equals one-token steps at every context length; the engine refuses a drafter
+    #: on a backend where this is False (see backends/llama_cpp.py)
+    speculation_exact = True
 
-    @classmethod
-    def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_context: Optional[int] = None, quiet: bool = False) -> "Target":
-        model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
-        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL)
-
-    # --- cache -------------------------------------------------------------------------
-    def reset(self) -> None:
-        self._cache = new_cache(self.model.config)
-
-    @property
-    def cache_len(self) -> int:
-        return cache_length(self._cache)
-
-    def truncate(self, length: int) -> None:
-        """Roll the KV cache back to its first `length` positions."""
-        truncate_cache(self._cache, length)
-
-    # --- forward -----------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, hidden_layers: Sequence[int] = ()) -> TargetOutput:
-        """Append `tokens` [n] to the cache in one forward pass.
-
-        Returns logits [n, V] (row i predicts the token after tokens[i]) and, if hidden_layers is
-        given, the outputs of those decoder layers (0-based) concatenated: [n, len * hidden].
-        """
-        n = tokens.shape[0]
-        if self.cache_len + n > self.max_context:
-            raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
-                                f"of {self.max_context}")
-        out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
-                         use_cache=True, output_hidden_states=bool(hidden_layers))
-        self.forward_passes += 1
-        hidden = None
-        if hidden_layers:
-            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
-            hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
-        return TargetOutput(out.logits[0], hidden)
+    def check_drafter(self, drafter_name: str, needs_hidden_states: bool) -> None:
+        """Refuse, by name, a drafter this backend cannot feed."""
+        if needs_hidden_states and not self.exposes_hidden_states:
+            raise DiffspecError(f"drafter '{drafter_name}' needs the target's hidden states and weights, which the "
+                                f"{self.backend} backend does not expose; use --backend transformers, or a drafter "
+                                f"that needs only token ids (prompt-lookup, an AR model, a block-diffusion model)")
 
     # --- text --------------------------------------------------------------------------
     def _need_tokenizer(self):
@@ -178,9 +151,81 @@ class Target:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=True)
 
     @property
+    def tokenizer_fingerprint(self) -> Optional[str]:
+        return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+
+
+class Target(TargetBase):
+    """A transformers causal LM with a KV cache that can be rolled back. One request at a time."""
+
+    backend = "transformers"
+
+    def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config.get_text_config(decoder=True)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        limit = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.max_context = int(min(max_context, limit) if max_context else limit)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # what transformers' generate stops on, plus the end of an assistant turn in the chat template
+        self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
+        self.forward_passes = 0
+        self._fingerprint: Optional[str] = None
+        self._cache = new_cache(model.config)
+
+    @classmethod
+    def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             max_context: Optional[int] = None, quiet: bool = False) -> "Target":
+        model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
+        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL)
+
+    # --- cache -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._cache = new_cache(self.model.config)
+
+    @property
+    def cache_len(self) -> int:
+        return cache_length(self._cache)
+
+    def truncate(self, length: int) -> None:
+        """Roll the KV cache back to its first `length` positions."""
+        truncate_cache(self._cache, length)
+
+    # --- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, hidden_layers: Sequence[int] = (), logits: bool = True) -> TargetOutput:
+        """Append `tokens` [n] to the cache in one forward pass.
+
+        Returns logits [n, V] (row i predicts the token after tokens[i]) and, if hidden_layers is
+        given, the outputs of those decoder layers (0-based) concatenated: [n, len * hidden].
+        With logits=False (a prefill whose logits nobody reads) only the last row's logits are
+        computed: [1, V].
+        """
+        n = tokens.shape[0]
+        if self.cache_len + n > self.max_context:
+            raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
+                                f"of {self.max_context}")
+        out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
+                         use_cache=True, output_hidden_states=bool(hidden_layers), logits_to_keep=0 if logits else 1)
+        self.forward_passes += 1
+        hidden = None
+        if hidden_layers:
+            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
+            hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
+        return TargetOutput(out.logits[0], hidden)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
-    def tokenizer_fingerprint(self) -> Optional[str]:
-        return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+    def fingerprint(self) -> str:
+        """Equal for two targets that compute alike (the cost tables' key)."""
+        if self._fingerprint is None:
+            from .costs import model_fingerprint
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint

@@ -24,6 +24,7 @@ import itertools
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -58,10 +59,15 @@ class Outcome:
 
 
 class Runner:
-    """Generates for one method. `weights` and `policy` say what ran (recorded in every row)."""
+    """Generates for one method. `weights` and `policy` say what ran (recorded in every row); `backend`
+    what ran the target. `same_model`: False for a peer running another computation of the model (its
+    greedy output may differ from plain's without being a lossless failure: the difference is reported,
+    not judged)."""
 
     weights: str = "target only"
     policy: str = "-"
+    backend: str = "transformers"
+    same_model: bool = True
 
     def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
         raise NotImplementedError
@@ -75,6 +81,7 @@ class EngineRunner(Runner):
 
     def __init__(self, engine):
         self.engine = engine
+        self.backend = engine.target.backend
         self.weights = engine.drafter.describe() if engine.drafter is not None else "target only"
         self.policy = engine.policy.describe() if engine.drafter is not None else "-"
 
@@ -139,6 +146,59 @@ class HFRunner(Runner):
         finish = "stop" if new and new[-1] in stops else "length"
         return Outcome(token_ids=new, wall_time_s=wall, target_forward_passes=calls[0], drafter_forward_passes=0,
                        mean_accepted_length=len(new) / max(1, calls[0]), finish_reason=finish)
+
+
+class LlamaCppPeerRunner(Runner):
+    """llama.cpp's own plain decoding: llama-cpp-python's `Llama.generate` on the target's GGUF file,
+    with its own sampler (greedy at temperature 0), its KV cache emptied before every prompt, flash
+    attention on (llama.cpp's own default on a CPU, and the backend's setting). The peer
+    a CPU user would run instead. Its greedy output is compared with plain's but not judged: beside a
+    transformers target it is another computation (quantised activations); beside the llama.cpp backend
+    it prefills the whole prompt in one pass where the engine leaves the last prompt token to the first
+    round, and from 64 prompt tokens on llama.cpp's attention computes those rows another way (tiled),
+    so a near-tie can later break differently.
+
+    Counts: target passes = prefill chunks + one per generated token; mean accepted length 1.0."""
+
+    def __init__(self, target, threads: Optional[int] = None):
+        from ..backends.llama_cpp import import_llama_cpp, usable_cores
+        from ..models import gguf_file
+
+        lib = import_llama_cpp()
+        path = getattr(target, "gguf", None) or gguf_file(target.name)
+        if path is None:
+            raise DiffspecError(f"method 'llama.cpp': target '{target.name}' is not a GGUF file")
+        self.threads = threads or getattr(target, "threads", None) or usable_cores()
+        from ..backends.llama_cpp import _silence
+
+        _silence(lib)
+        self.llm = lib.Llama(str(path), n_ctx=target.max_context, n_batch=512, n_ubatch=512, n_threads=self.threads,
+                             n_threads_batch=self.threads, flash_attn=True, verbose=False)
+        self.target, self.backend = target, "llama.cpp (its own loop)"
+        self.same_model = False  # its own prefill layout and sampler: compared with plain, never judged
+        self.weights = f"llama.cpp plain decoding: {Path(path).name}, {self.threads} threads"
+
+    def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        max_new_tokens = min(max_new_tokens, self.target.max_context - len(prompt_ids))
+        stops = self.target.stop_token_ids
+        kw = dict(temp=0.0, top_k=1) if sampling.greedy else dict(temp=sampling.temperature, top_p=sampling.top_p,
+                                                                   top_k=sampling.top_k, min_p=0.0)
+        if sampling.seed is not None:
+            self.llm.set_seed(sampling.seed)
+        new, finish = [], "length"
+        t0 = time.perf_counter()
+        self.llm.reset()  # no prefix reuse across prompts: every method prefills
+        for tok in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, **kw):
+            new.append(int(tok))
+            if tok in stops:
+                finish = "stop"
+                break
+            if len(new) >= max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        prefill = -(-len(prompt_ids) // 512)
+        return Outcome(token_ids=tuple(new), wall_time_s=wall, target_forward_passes=prefill + len(new) - 1,
+                       drafter_forward_passes=0, mean_accepted_length=1.0, finish_reason=finish)
 
 
 class DFlashRefRunner(Runner):
@@ -322,6 +382,7 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
 
 def _hf_builder(lookup: bool) -> Callable:
     def build(target, values: dict) -> Runner:
+        _needs_transformers("hf-prompt-lookup" if lookup else "hf-generate", target)
         if not lookup:
             return HFRunner(target)
         if values["num_tokens"] < 1:
@@ -331,8 +392,21 @@ def _hf_builder(lookup: bool) -> Callable:
     return build
 
 
+def _needs_transformers(method: str, target) -> None:
+    if getattr(target, "backend", "transformers") != "transformers":
+        raise DiffspecError(f"method '{method}' runs the target's transformers model; the target runs on the "
+                            f"{target.backend} backend (use --backend transformers)")
+
+
 def _dflash_ref_builder(target, values: dict) -> Runner:
+    _needs_transformers("dflash-ref", target)
     return DFlashRefRunner(target, values["drafter"], values.get("block_size"))
+
+
+def _llama_cpp_builder(target, values: dict) -> Runner:
+    if values.get("threads") is not None and values["threads"] < 1:
+        raise DiffspecError(f"llama.cpp: threads must be >= 1, got {values['threads']}")
+    return LlamaCppPeerRunner(target, values.get("threads"))
 
 
 def _drafter(default: Optional[str]) -> Param:
@@ -401,6 +475,9 @@ METHODS: dict = {m.name: m for m in [
               (_drafter("conditioned"), _GAMMA, _DRAFTER_DTYPE), _engine_builder(None, "fixed")),
     MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
               (_drafter("conditioned"), _DRAFTER_DTYPE) + _FAILFAST, _engine_builder(None, "failfast")),
+    MethodDef("llama.cpp", "llama.cpp's own plain decoding of the target's GGUF (llama-cpp-python Llama.generate; "
+                           "the CPU peer)", (Param("threads", int, None, "threads (default: the target's, else all usable cores)"),),
+              _llama_cpp_builder),
     MethodDef("dflash-ref", "z-lab's reference dflash_generate with the same conditioned drafter's weights "
                             "(optional: pip install --no-deps dflash==0.1.0)",
               (_drafter("conditioned"), Param("block_size", int, None, "the reference's block (default: the drafter's)")),

@@ -203,7 +203,8 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
              "on the same prompts; per-prompt speedup = plain's wall time / the method's on one prompt "
              "(mean, median, min-max over prompts; the mean weighs a short prompt like a long one); "
              "tok/s = total new tokens / total time; "
-             "lossless = token-identical to plain on every prompt (n/a when sampling); "
+             "lossless = token-identical to plain on every prompt (n/a when sampling, and for a peer running "
+             "its own loop, e.g. llama.cpp's: compared, not judged); "
              "best = highest throughput ratio among configurations not shown lossy.", "",
              "| dataset | method | prompts | throughput ratio | per-prompt speedup mean | median | min-max | "
              "mean acc. len | tok/s | target passes | drafter passes | lossless | best |",
@@ -240,10 +241,11 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
             lines.append(f"| {e['dataset']} | {e['method']} | {e['rounds']} | {e['speculation_off_rounds']} | "
                          f"{_fmt(100 * e['speculation_off_share'], '%', 1)} | "
                          f"{format_histogram(e['draft_length_histogram'])} |")
-    lines += ["", "## Methods", "", "| method | weights | policy | notes |", "|---|---|---|---|"]
+    lines += ["", "## Methods", "", "| method | backend | weights | policy | notes |", "|---|---|---|---|---|"]
     for meth in result.methods:
         notes = "; ".join(meth["notes"]).replace("|", "/") or ""
-        lines.append(f"| {meth['name']} | {meth['weights']} | {meth['policy']} | {notes} |")
+        lines.append(f"| {meth['name']} | {meth.get('backend', 'transformers')} | {meth['weights']} | {meth['policy']} | "
+                     f"{notes} |")
     if result.failures:
         lines += ["", "## LOSSLESS FAILURES", ""] + [f"- {f}" for f in result.failures]
     if plots:

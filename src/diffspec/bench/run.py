@@ -135,6 +135,7 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids, greedy) -> dict:
     wall = _median(times)
     diff = _first_difference(outcome.token_ids, plain_ids) if greedy else None
+    judged = greedy and getattr(runner, "same_model", True)  # a peer on another computation is compared, not judged
     rounds = outcome.rounds
     return {
         "method": spec.name, "base_method": spec.method, "params": dict(spec.params),
@@ -153,8 +154,8 @@ def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids,
         "round_emitted": [r[2] for r in rounds], "speculation_off_rounds": outcome.speculation_off_rounds,
         "draft_length_histogram": histogram_from_round_drafted([r[0] for r in rounds]),
         "finish_reason": outcome.finish_reason,
-        "weights": runner.weights, "policy": runner.policy, "token_ids": list(outcome.token_ids),
-        "lossless": (diff is None) if greedy else None, "first_difference": diff,
+        "weights": runner.weights, "policy": runner.policy, "backend": getattr(runner, "backend", "transformers"),
+        "token_ids": list(outcome.token_ids), "lossless": (diff is None) if judged else None, "first_difference": diff,
     }
 
 
@@ -190,7 +191,8 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
         runner, notes = build_runner(spec, target, registry)
         runners[spec.name] = runner
         methods.append({"name": spec.name, "method": spec.method, "params": dict(spec.params),
-                        "weights": runner.weights, "policy": runner.policy, "notes": list(notes)})
+                        "weights": runner.weights, "policy": runner.policy,
+                        "backend": getattr(runner, "backend", "transformers"), "notes": list(notes)})
 
     rows, failures = [], []
     partial = None
@@ -235,6 +237,7 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                 "repeats": config.repeats, "chat": config.chat, "methods": [s.name for s in specs],
                 "sweep": list(config.sweep), "target": getattr(target, "name", None),
                 "target_dtype": str(getattr(target, "dtype", "")).replace("torch.", ""),
+                "target_backend": getattr(target, "backend", "transformers"),
                 "command": config.command or shlex.join(["diffspec", "bench"])}
     machine = machine_info()
     if getattr(target, "device", torch.device("cpu")).type == "cuda":

@@ -49,19 +49,22 @@ def weights_for(kind: str, target_name: Optional[str]) -> str:
     return f"trained weights: {path}" if path else f"random init (no trained weights for {target_name})"
 
 
-def default_drafter_name(target_name: Optional[str], combine: bool = False) -> str:
+def default_drafter_name(target_name: Optional[str], combine: bool = False, hidden_states: bool = True) -> str:
     """What `auto` means for a target. With `combine` (the auto policy, which switches off a part that
     loses): prompt-lookup + the shipped trained drafter (conditioned first) when one ships. Else a shipped
-    drafter whose folder says measurement made it the default (`"default": true`), else prompt lookup."""
+    drafter whose folder says measurement made it the default (`"default": true`), else prompt lookup.
+    `hidden_states=False` (a backend that does not expose them, e.g. llama.cpp) leaves out the
+    conditioned kind."""
     import json
 
     from ..checkpoint import shipped_drafter_path
 
+    kinds = [k for k in ("conditioned", "block-diffusion", "masked-diffusion") if hidden_states or k != "conditioned"]
     if combine:
-        for kind in ("conditioned", "block-diffusion", "masked-diffusion"):
+        for kind in kinds:
             if shipped_drafter_path(target_name, kind):
                 return f"prompt-lookup+{kind}"
-    for kind in TRAINABLE_KINDS:
+    for kind in kinds:
         path = shipped_drafter_path(target_name, kind)
         if path and json.loads((path / "config.json").read_text()).get("diffspec", {}).get("default") is True:
             return kind
@@ -78,7 +81,8 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
     a combination (see default_drafter_name)."""
     check_drafter_dtype(compute_dtype)
     if spec == "auto":
-        spec = default_drafter_name(target.name if target is not None else None, combine)
+        spec = default_drafter_name(target.name if target is not None else None, combine,
+                                    getattr(target, "exposes_hidden_states", True))
     if spec is not None and "+" in spec:
         names = spec.split("+")
         bad = [n for n in names if n in ("", "none", "auto") or "+" in n]
@@ -115,12 +119,15 @@ def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optio
     if spec is None or spec == "none":
         return None
     if spec == "auto":
-        spec = default_drafter_name(target.name if target is not None else None)
+        spec = default_drafter_name(target.name if target is not None else None,
+                                    hidden_states=getattr(target, "exposes_hidden_states", True))
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
     if spec in TRAINABLE_KINDS:
         if target is None:
             raise DiffspecError(f"drafter '{spec}' needs the target to be built for")
+        if spec == "conditioned" and hasattr(target, "check_drafter"):
+            target.check_drafter(spec, True)  # before its weights load
         shipped = shipped_drafter_path(target.name, spec)
         return load_drafter(shipped, dtype, device) if shipped else random_drafter(spec, target, dtype=dtype)
     prefix, sep, rest = spec.partition(":")

@@ -58,7 +58,11 @@ class Drafter(ABC):
     def attach(self, target) -> None:
         """Called once by the engine: check the target is compatible, keep what is needed of it.
 
-        The base check refuses a target whose token ids mean something else than ours."""
+        The base checks refuse a backend that cannot feed this drafter (hidden states) and a target
+        whose token ids mean something else than ours."""
+        check = getattr(target, "check_drafter", None)
+        if check is not None:
+            check(self.name, self.capabilities.needs_target_hidden_states)
         mine, theirs = self.tokenizer_fingerprint, target.tokenizer_fingerprint
         if mine is not None and theirs is not None and mine != theirs:
             raise DiffspecError(f"tokenizer mismatch: drafter '{self.name}' (vocabulary {mine}) does not share "
