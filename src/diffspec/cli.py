@@ -64,9 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in: auto (default: "
                    "timed at load, bfloat16 where it is 1.2x faster) or a dtype; the output is the target's either way")
     g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
-    g.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
-                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
-                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
+    add_backend_option(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--list-drafters", action="store_true", help="list drafter names and exit")
     t = sub.add_parser("train-drafter", help="train a drafter for a target from the target's own outputs",
@@ -137,9 +135,7 @@ def _add_profile_parser(sub, default_model: str, drafter_names) -> None:
     p.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes "
                                                            "in (default auto, as generate and serve)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
-    p.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
-                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
-                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
+    add_backend_option(p)
     p.add_argument("--recalibrate", action="store_true", help="measure again instead of reading the cache (and "
                                                               "replace the cached tables)")
     p.add_argument("--out", default=None, help="folder for profile.json and verify_cost.png")
@@ -223,9 +219,7 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
     s.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     s.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in (default auto: timed at load)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
-    s.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
-                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
-                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
+    add_backend_option(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     s.add_argument("--api-key", default=os.environ.get("DIFFSPEC_API_KEY") or None,
@@ -256,13 +250,21 @@ def _add_bench_parser(sub, default_model: str) -> None:
     b.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    b.add_argument("--backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
-                   help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), transformers, "
-                        "or auto (default: llama.cpp for a GGUF target on the CPU where it measures faster)")
+    add_backend_option(b)
     b.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
     b.add_argument("--raster-prompt", default=None, help="prompt id for the acceptance raster (default the first)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--list-methods", action="store_true", help="list method names and their parameters, then exit")
+
+
+def add_backend_option(parser) -> None:
+    """--backend, the same on generate, serve, bench and profile (see backends/__init__.py)."""
+    from .backends import BACKENDS
+
+    parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                        help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), "
+                             "transformers, or auto (default: llama.cpp for a GGUF target on the CPU once speculation "
+                             "on it is exact and it measures faster; transformers today)")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
