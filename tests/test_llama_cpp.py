@@ -59,6 +59,47 @@ def test_auto_backend_keeps_transformers_for_a_folder(tiny_model_dir):
     assert target.backend == "transformers"
 
 
+def test_which_drafters_need_hidden_states():
+    from diffspec.backends import drafter_needs_hidden_states as needs
+
+    for name in (None, "none", "auto", "prompt-lookup", "block-diffusion", "masked-diffusion", "ar:some/model",
+                 "prompt-lookup+block-diffusion"):
+        assert not needs(name), name
+    for name in ("conditioned", "prompt-lookup+conditioned", "/a/drafter/folder", "z-lab/Qwen3-8B-DFlash-b16",
+                 "dflash:/x"):
+        assert needs(name), name
+
+
+def test_auto_backend_weighs_speed_exactness_and_the_drafter(tmp_path, monkeypatch):
+    """`auto` reads what it measured (step times, the parity probe's answer) and picks llama.cpp only
+    where it is faster and, when anything is drafted, exact; never under a drafter that reads hidden
+    states or a method that runs the transformers model."""
+    import json
+
+    from diffspec.backends import backend_record_path, choose_backend
+    from diffspec.backends import llama_cpp
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path / "costs"))
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def pick(llama_s, exact, **kw):
+        where = backend_record_path(gguf)
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text(json.dumps({"step_s": {"llama.cpp": llama_s, "transformers": 0.05},
+                                     "speculation_exact": exact}))
+        return choose_backend(str(gguf), torch.float32, "cpu", None, quiet=True, **kw)
+
+    assert pick(0.01, True) == "llama.cpp"
+    assert pick(0.09, True) == "transformers"                                 # slower here
+    assert pick(0.01, False) == "transformers"                                # drafting, not exact
+    assert pick(0.01, False, drafters=("none",)) == "llama.cpp"               # plain decoding needs no parity
+    assert pick(0.01, True, drafters=("conditioned",)) == "transformers"      # needs hidden states
+    assert pick(0.01, True, drafters=("none",), needs_transformers=True) == "transformers"
+    assert choose_backend(str(gguf), torch.bfloat16, "cpu", None, quiet=True) == "transformers"
+
+
 def test_cli_refuses_before_loading(tiny_model_dir):
     proc = subprocess.run([sys.executable, "-m", "diffspec", "generate", "hi", "--backend", "llama.cpp",
                            "--model", str(tiny_model_dir)], capture_output=True, text=True, timeout=120)
@@ -125,30 +166,72 @@ def test_verify_rows_equal_one_token_steps(llama_target):
 
 
 @pytest.mark.slow
-def test_passes_of_64_rows_take_another_kernel_so_the_engine_verifies_fewer(llama_target):
-    """From 64 query rows llama.cpp's CPU flash attention is tiled and its rows differ from one-token
-    passes: the backend says so (max_verify_tokens = 63) and the engine never verifies wider, even when
-    the drafter offers more; the output stays plain's."""
+def test_passes_up_to_the_cap_equal_one_token_steps_and_the_engine_stays_under_it(llama_target):
+    """With K in q8_0 (KV_CACHE_TYPES) llama.cpp's attention runs row at a time for every pass shape: a
+    64-row pass (which an all-f16 cache sends to the tiled kernel) equals one-token steps bitwise. The
+    engine never verifies more than max_verify_tokens at once, even when the drafter offers more; the
+    output stays plain's."""
     t = llama_target
     ids = t.encode_prompt(PROMPTS[0])
     cont = list(plain_ids(t, ids, 140))
     seq = ids[-1:] + cont[:63]
     t.reset()
     t.forward(torch.tensor(ids[:-1]), logits=False)
-    wide = t.forward(torch.tensor(seq + cont[63:64])).logits            # 65 rows: tiled
-    t.truncate(len(ids) - 1)
-    narrow = t.forward(torch.tensor(seq)).logits                        # 64 rows... also tiled
-    t.truncate(len(ids) - 1)
-    exact = t.forward(torch.tensor(seq[:63])).logits                    # 63 rows
+    wide = t.forward(torch.tensor(seq)).logits                          # 64 rows
     t.truncate(len(ids) - 1)
     single = torch.cat([t.forward(torch.tensor([x])).logits for x in seq])
-    assert torch.equal(exact, single[:63])
-    assert not torch.equal(wide[:64], single) and not torch.equal(narrow, single)
-    assert t.max_verify_tokens == 63
-    engine = SpeculativeEngine(t, ScriptedDrafter(ids + cont), make_policy("fixed", gamma=100), allow_inexact=True)
+    assert torch.equal(wide, single)
+    assert t.max_verify_tokens == 64
+    engine = SpeculativeEngine(t, ScriptedDrafter(ids + cont), make_policy("fixed", gamma=100))
     got = engine.generate(ids, max_new_tokens=140)
     assert got.token_ids == cont
-    assert max(r.drafted for r in got.rounds) == 62
+    assert max(r.drafted for r in got.rounds) == 63
+
+
+LONG_PROMPT = ("Here is a module. Explain what each function does, then rewrite it with type hints.\n\n```python\n"
+               + "".join(f"def step_{i}(state, value):\n    if value > {i}:\n        state['count_{i}'] = state.get("
+                         f"'count_{i}', 0) + value\n    return state\n\n" for i in range(14)) + "```")
+
+
+@pytest.mark.slow
+def test_long_contexts_on_two_threads_probe_catches_f16_and_shipped_settings_stay_exact():
+    """The bench's divergence (issue 18): on an all-f16 cache, one-token steps past ~256 positions (a
+    cache padded to 512 cells) took llama.cpp's split-KV attention while verify passes did not, and
+    outputs left plain's path late; 64-row passes took the tiled kernel. The split needs two threads
+    or more (with one, its single part adds up as the row kernel does), so this test runs two, even
+    under xdist, and does both checks in one test so that only one two-thread context runs at a time.
+
+    1. The probe has power: on an all-f16 cache it finds both kernels, and a drafter is then refused
+       with the mismatch named; plain decoding still runs.
+    2. On the shipped settings a prompt of ~660 tokens and 120 new ones (past that line) give plain's
+       output under failfast and fixed 6. (On an all-f16 cache both left plain's path at new token 16,
+       measured.)"""
+    import gc
+
+    from diffspec.backends.llama_cpp import LlamaCppTarget
+
+    t = LlamaCppTarget.load(None, quiet=True, threads=2, kv_cache_types=("f16", "f16"))
+    split = t.parity_probe(widths=(2,), contexts=(40, 500))
+    assert not split["exact"] and split["first_mismatch"]["context"] == 500
+    tiled = t.parity_probe(widths=(63, 64), contexts=(40,))
+    assert not tiled["exact"] and tiled["first_mismatch"]["width"] == 64
+    with pytest.raises(DiffspecError, match=r"would not be exact: on this machine a \d+-token pass.*--drafter none"):
+        SpeculativeEngine(t, PromptLookupDrafter(), make_policy("fixed", gamma=4))
+    assert SpeculativeEngine(t, None).generate("Hi", max_new_tokens=4).token_ids
+    with pytest.raises(DiffspecError, match="kv_cache_types must be two of"):
+        LlamaCppTarget.load(None, quiet=True, kv_cache_types=("q4_0", "f16"))
+    del t
+    gc.collect()
+
+    t = LlamaCppTarget.load(None, quiet=True, threads=2)
+    ids = t.encode_prompt(LONG_PROMPT)
+    assert 600 < len(ids) < 700
+    want = plain_ids(t, ids, 120)
+    assert len(want) == 120
+    for policy in (make_policy("failfast"), make_policy("fixed", gamma=6)):
+        got = SpeculativeEngine(t, PromptLookupDrafter(), policy).generate(ids, max_new_tokens=120)
+        assert got.drafted_tokens > 0
+        assert got.token_ids == want, policy.name
 
 
 @pytest.mark.slow
@@ -189,7 +272,7 @@ def test_greedy_speculative_equals_plain(llama_target, method):
         drafter = PromptLookupDrafter()
         policy = {"fixed-4": lambda: make_policy("fixed", gamma=4), "fixed-12": lambda: make_policy("fixed", gamma=12),
                   "failfast": lambda: make_policy("failfast"), "auto": lambda: make_policy("auto")}[method]()
-    engine = SpeculativeEngine(t, drafter, policy, allow_inexact=True)  # exact on these short contexts
+    engine = SpeculativeEngine(t, drafter, policy)
     for p in PROMPTS[:1] if method == "block-diffusion" else PROMPTS:  # its random drafter costs more a round
         ids = t.encode_prompt(p)
         want = plain_ids(t, ids, 80)
@@ -242,7 +325,7 @@ def test_sampled_output_matches_the_backends_distribution(llama_target):
             b.add(support[int(torch.randint(len(support), (1,), generator=self.gen))], 1 / len(support), q2)
             return b.build(0)
 
-    engine = SpeculativeEngine(t, TopThreeUniform(), make_policy("fixed", gamma=2), allow_inexact=True)
+    engine = SpeculativeEngine(t, TopThreeUniform(), make_policy("fixed", gamma=2))
     n = 400
     counts = {k: 0 for k in exact}
     accepted = 0
@@ -261,15 +344,13 @@ def test_sampled_output_matches_the_backends_distribution(llama_target):
 
 
 @pytest.mark.slow
-def test_speculation_refused_until_exact(llama_target):
-    """Speculative output left plain's path on long contexts (README, issue 18): a drafter is refused by
-    name, plain decoding runs, and `auto` keeps transformers."""
-    from diffspec.backends import choose_backend
-
-    with pytest.raises(DiffspecError, match="not exact yet.*--drafter none"):
-        SpeculativeEngine(llama_target, PromptLookupDrafter(), make_policy("fixed", gamma=4))
-    assert SpeculativeEngine(llama_target, None).generate("Hi", max_new_tokens=4).token_ids
-    assert choose_backend(None, torch.float32, "cpu", None, quiet=True) == "transformers"
+def test_parity_probe_passes_on_the_shipped_settings_and_is_cached(llama_target):
+    record = llama_target.parity_record()
+    assert record["exact"] and record["first_mismatch"] is None
+    assert max(record["widths"]) == llama_target.max_verify_tokens and max(record["contexts"]) >= 500
+    assert record["checked_rows"] > 500
+    assert llama_target.speculation_exact
+    assert llama_target.parity_record() is record  # measured once
 
 
 @pytest.mark.slow
@@ -284,18 +365,15 @@ def test_drafters_needing_hidden_states_are_refused_by_name(llama_target):
 def test_bench_runs_the_llama_cpp_peer_beside_the_engine(llama_target, tmp_path):
     from diffspec.bench import BenchConfig, run_bench
 
-    refused = BenchConfig(dataset="humaneval", num_prompts=1, max_new_tokens=24, methods=("plain", "prompt-lookup"),
-                          quiet=True)
-    with pytest.raises(DiffspecError, match="not exact yet"):
-        run_bench(refused, llama_target)
-    config = BenchConfig(dataset="humaneval", num_prompts=1, max_new_tokens=24, methods=("plain", "llama.cpp"),
-                         quiet=True)
+    config = BenchConfig(dataset="humaneval", num_prompts=1, max_new_tokens=24,
+                         methods=("plain", "llama.cpp", "prompt-lookup"), quiet=True)
     result = run_bench(config, llama_target, out=str(tmp_path))
     by = {r["method"]: r for r in result.rows}
     assert not result.failures
     assert by["plain"]["backend"] == "llama.cpp" and by["llama.cpp"]["backend"].startswith("llama.cpp (its own loop)")
     # the peer (its own loop and prefill layout) is compared with plain, not judged; on a short answer it agrees
     assert by["llama.cpp"]["lossless"] is None and by["plain"]["lossless"] is True
+    assert by["prompt-lookup"]["lossless"] is True and by["prompt-lookup"]["backend"] == "llama.cpp"
     assert by["llama.cpp"]["first_difference"] is None and by["llama.cpp"]["token_ids"] == by["plain"]["token_ids"]
     assert result.settings["target_backend"] == "llama.cpp"
 
@@ -308,3 +386,12 @@ def test_verify_cost_table_on_the_backend(llama_target):
     assert table.ks == (0, 1, 4) and len(table.verify_s[0]) == 3
     assert all(a <= b for a, b in zip(table.verify_s[0], table.verify_s[0][1:]))
     assert llama_target.cache_len == 0
+
+
+def test_bench_tells_auto_which_drafters_and_models_it_will_run():
+    from diffspec.bench.methods import expand_methods, method_needs
+
+    drafters, hf = method_needs(expand_methods(["plain", "llama.cpp", "prompt-lookup", "auto", "conditioned"]))
+    assert drafters == ("none", "none", "prompt-lookup", "auto", "conditioned") and not hf
+    assert method_needs(expand_methods(["plain", "hf-generate"]))[1]
+    assert method_needs(expand_methods(["ar:drafter=some/model"]))[0][-1] == "ar:some/model"

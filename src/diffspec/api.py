@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .backends import check_backend_settings, load_target
+from .backends import check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
 from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
@@ -42,6 +42,8 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
                       tuple(sorted(policy_options.items())))
         if engine_key in _ENGINES:
             return _ENGINES[engine_key]
+    if backend == "auto":  # resolved first: which backend auto picks depends on the drafter
+        backend = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,))
     key = (model, dtype, device, max_context, backend)
     if key not in _TARGETS:
         _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,

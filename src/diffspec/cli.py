@@ -263,8 +263,9 @@ def add_backend_option(parser) -> None:
 
     parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
                         help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), "
-                             "transformers, or auto (default: llama.cpp for a GGUF target on the CPU once speculation "
-                             "on it is exact and it measures faster; transformers today)")
+                             "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
+                             "faster and, when drafting, its verify passes measure exact; never for a drafter that "
+                             "reads hidden states; measured once per machine, cached)")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
@@ -411,6 +412,7 @@ def _bench(args) -> int:
     from .devices import parse_dtype
     from .backends import check_backend_settings, load_target
     from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
+    from .bench.methods import method_needs
 
     if args.list_methods:
         print(list_methods())
@@ -430,8 +432,9 @@ def _bench(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
     check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device)
+    drafters, needs_transformers = method_needs(prepare(config)[1])
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,
-                         quiet=args.quiet)
+                         quiet=args.quiet, drafters=drafters, needs_transformers=needs_transformers)
     result = run_bench(config, target, out=args.out)
     best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
     print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)

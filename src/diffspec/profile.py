@@ -240,7 +240,7 @@ def profile_command(args) -> int:
     check_profile_args(args.dtype, args.max_context, args.out, args.drafter, args.drafter_dtype)
     check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), "cpu")
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), max_context=args.max_context,
-                         quiet=args.json)
+                         quiet=args.json, drafters=(args.drafter,))
     profile = profile_target(target, args.drafter, recalibrate=args.recalibrate, progress=not args.json,
                              drafter_dtype=args.drafter_dtype)
     if args.out is not None:

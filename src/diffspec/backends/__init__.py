@@ -5,9 +5,11 @@
 - `llama.cpp` (backends.llama_cpp.LlamaCppTarget): a GGUF file run by llama.cpp on the CPU with
   its own quantised kernels. Drafters that read the target's hidden states are refused on it.
 - `auto` (the default): llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed,
-  speculation on it is exact (`LlamaCppTarget.speculation_exact`: not yet, so today auto means
-  transformers) and a one-token step measures faster there than in transformers on this machine
-  (timed once per machine and file, cached beside the cost tables); transformers otherwise.
+  a one-token step measures faster there than in transformers on this machine, and, if anything will
+  be drafted, llama.cpp's parity probe found its verify passes exact here
+  (`LlamaCppTarget.parity_probe`); both measured once per machine and file, cached beside the cost
+  tables. Transformers otherwise, and always for a drafter that reads the target's hidden states
+  (conditioned, or a drafter folder or hub id, whose kind is not known until it loads).
 
 The two backends are different models numerically (llama.cpp multiplies with quantised weights and
 quantised activations; transformers with the dequantized float32 weights), so their greedy outputs
@@ -19,7 +21,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -52,15 +55,31 @@ def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype
                             f"(give a .gguf path or a registered GGUF model, or use --backend transformers)")
 
 
+#: drafter names that need only token ids, so any backend can feed them (see TargetBase.check_drafter)
+TOKEN_ONLY_DRAFTERS = ("none", "auto", "prompt-lookup", "block-diffusion", "masked-diffusion")
+
+
+def drafter_needs_hidden_states(spec: Optional[str]) -> bool:
+    """From the name alone, before anything loads: True for `conditioned` and for any name whose kind
+    is unknown until it loads (a folder, a hub id, a preset); False for token-only drafters, `ar:` models
+    and combinations of them."""
+    if spec is None:
+        return False
+    return any(part not in TOKEN_ONLY_DRAFTERS and not part.startswith("ar:") for part in spec.split("+"))
+
+
 def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.dtype = torch.float32,
-                device: str = "cpu", max_context: Optional[int] = None, quiet: bool = False):
-    """Load the target on the chosen backend (see the module docstring for `auto`)."""
+                device: str = "cpu", max_context: Optional[int] = None, quiet: bool = False,
+                drafters: Sequence[Optional[str]] = ("auto",), needs_transformers: bool = False):
+    """Load the target on the chosen backend. For `auto` (see the module docstring): `drafters` are
+    the drafter names that will run on it (None or 'none': plain decoding), `needs_transformers` says
+    that something will read its transformers model (bench methods hf-generate, dflash-ref)."""
     from ..target import Target
     from .llama_cpp import LlamaCppTarget
 
     check_backend_settings(backend, spec, dtype, device)
     if backend == "auto":
-        backend = choose_backend(spec, dtype, device, max_context, quiet)
+        backend = choose_backend(spec, dtype, device, max_context, quiet, drafters, needs_transformers)
     if backend == "llama.cpp":
         return LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)
     return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet)
@@ -82,47 +101,61 @@ def step_time(target, context: int = 64, steps: int = 16) -> float:
     return times[len(times) // 2]
 
 
-def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_context: Optional[int],
-                   quiet: bool = False) -> str:
-    """`auto`: llama.cpp when the target is a GGUF file on the CPU in float32, llama-cpp-python is
-    installed and its one-token step measured faster than transformers' on this machine (cached)."""
+def backend_record_path(gguf: Path) -> Path:
+    """Where `auto` keeps what it measured for this GGUF file on this machine."""
     from ..costs import cache_key, cost_dir, machine_key
+
+    st = gguf.stat()
+    key = cache_key("backend", machine_key(torch.device("cpu")), str(gguf.resolve()), st.st_size, int(st.st_mtime))
+    return cost_dir() / f"backend-{key}.json"
+
+
+def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_context: Optional[int],
+                   quiet: bool = False, drafters: Sequence[Optional[str]] = ("auto",),
+                   needs_transformers: bool = False) -> str:
+    """`auto`: llama.cpp when the target is a GGUF file on the CPU in float32, llama-cpp-python is
+    installed, nothing needs the transformers model or hidden states, its one-token step measured
+    faster than transformers' on this machine and, if any drafter will run, its parity probe found
+    verify passes exact. The measurements are taken once per machine and file (cached)."""
     from ..models import gguf_file
     from ..output import write_atomically
     from .llama_cpp import available
 
-    if not str(device).startswith("cpu") or dtype != torch.float32 or not available():
+    if not str(device).startswith("cpu") or dtype != torch.float32 or not available() or needs_transformers:
         return "transformers"
-    from .llama_cpp import LlamaCppTarget
-
-    if not LlamaCppTarget.speculation_exact:  # never trade exactness for speed: see backends/llama_cpp.py
+    if any(drafter_needs_hidden_states(d) for d in drafters):
         return "transformers"
     path = gguf_file(spec)
     if path is None:
         return "transformers"
-    st = path.stat()
-    key = cache_key("backend", machine_key(torch.device("cpu")), str(path.resolve()), st.st_size, int(st.st_mtime))
-    where = cost_dir() / f"backend-{key}.json"
+    drafting = any(d not in (None, "none") for d in drafters)
+    where = backend_record_path(path)
     try:
-        return json.loads(where.read_text())["backend"]
-    except (OSError, ValueError, KeyError):
-        pass
-    from ..target import Target
-    from .llama_cpp import LlamaCppTarget
+        record = json.loads(where.read_text())
+        record["step_s"]["llama.cpp"], record["step_s"]["transformers"], record["speculation_exact"]
+    except (OSError, ValueError, KeyError, TypeError):
+        record = None
+    if record is None:
+        from ..target import Target
+        from .llama_cpp import LlamaCppTarget
 
-    if not quiet:
-        print("diffspec: choosing the target backend on this machine (timing a one-token step in transformers and "
-              "in llama.cpp, once; cached)", file=sys.stderr, flush=True)
-    times = {}
-    for name, loader in (("llama.cpp", lambda: LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)),
-                         ("transformers", lambda: Target.load(spec, dtype=dtype, device=device,
-                                                              max_context=max_context, quiet=quiet))):
-        target = loader()
-        times[name] = step_time(target)
+        if not quiet:
+            print("diffspec: choosing the target backend on this machine (timing a one-token step in transformers and "
+                  "in llama.cpp, and checking llama.cpp's verify passes; once, cached)", file=sys.stderr, flush=True)
+        target = LlamaCppTarget.load(spec, max_context=max_context, quiet=True)
+        record = {"step_s": {"llama.cpp": step_time(target)}, "speculation_exact": target.speculation_exact,
+                  "parity": target.parity_record(), "file": str(path)}
         del target
-    chosen = min(times, key=times.get)
-    write_atomically(where, json.dumps({"backend": chosen, "step_s": times, "file": str(path)}, indent=1))
-    if not quiet:
-        print(f"diffspec: backend {chosen} (one-token step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items())
-              + ")", file=sys.stderr, flush=True)
-    return chosen
+        target = Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet)
+        record["step_s"]["transformers"] = step_time(target)
+        del target
+        write_atomically(where, json.dumps(record, indent=1))
+        if not quiet:
+            print("diffspec: one-token step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in record["step_s"].items())
+                  + f"; llama.cpp verify passes exact here: {record['speculation_exact']}", file=sys.stderr, flush=True)
+    times = record["step_s"]
+    if times["llama.cpp"] >= times["transformers"]:
+        return "transformers"
+    if drafting and not record["speculation_exact"]:
+        return "transformers"  # never trade exactness for speed
+    return "llama.cpp"

@@ -12,10 +12,22 @@ the same target contract as the transformers backend (`target.TargetBase`).
 
 Exactness: the engine's plain decoding on this backend is the same loop with one-token passes, and
 a verify pass must give every row the logits a one-token pass would give. llama.cpp's CPU attention
-does so only with flash attention on (see __init__) and for passes under 64 tokens
-(`max_verify_tokens`, which the engine honours); `benchmarks/llama_cpp_parity.py` measures it over
-the bench prompts and tests/test_llama_cpp.py holds it bitwise. A prefill of 64 tokens or more takes
-the tiled kernel for every request alike, plain or speculative, so it changes nothing between them.
+has three kernels, chosen by the shape of a pass (ggml-cpu/ops.cpp, flash attention): one query row
+with 512 or more cache cells splits the cache across threads and adds the parts up (one-token steps
+past position ~256, as the cache is padded to 256 cells); 64 query rows or more take a tiled kernel;
+everything else runs one row at a time. Each adds in another order, so the same row differed by
+0.5-1.1 in its logits, and greedy speculative output left plain's path on 28 of 120 bench runs. The
+split and tiled kernels run only when the K and V caches are both f16 (or f32); this backend keeps K
+in q8_0 and V in f16 (KV_CACHE_TYPES), so every pass shape takes the row-at-a-time kernel and a
+verify pass is bitwise a run of one-token steps. The price is numeric, not speed: logits move by
+~3e-3 nats (mean KL) from an all-f16 cache, and the one-token step measured as fast (see
+KV_CACHE_TYPES).
+
+Nothing here is taken on trust: `parity_probe` measures, on this machine and model, that passes of
+every width up to `max_verify_tokens` equal one-token steps bitwise, after a short and after a long
+context (past the 512-cell threshold), with rollbacks between them. `speculation_exact` is its
+answer, measured once per machine x model x llama.cpp version and cached; the engine refuses a
+drafter where it is False (another CPU's matmul kernels could differ by batch size).
 """
 
 from __future__ import annotations
@@ -76,25 +88,35 @@ def _silence(lib) -> None:
         lib.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
 
 
+#: the KV cache's element types (K, V). Mixed on purpose: llama.cpp's CPU flash attention takes its
+#: split-KV kernel (one query row, >= 512 cells) and its tiled kernel (>= 64 rows) only when K and V are
+#: both f16 or f32; with K in q8_0 every pass shape runs the row-at-a-time kernel, so a verify pass is
+#: bitwise a run of one-token steps. Measured on AVX2, 2 threads (ms for a one-token step / a 16-row pass
+#: at 150 and 900 tokens of context): f16+f16 8.3/73.8 and 12.9/126.8; q8_0+f16 8.5/73.9 and 11.7/124.8;
+#: f16+q8_0 and f16+bf16 were slower (16.2 and 15.8 ms a step at 900). Logits move from an all-f16 cache
+#: by ~3e-3 nats (mean KL over 2,412 rows), as any of those mixes did.
+KV_CACHE_TYPES = ("q8_0", "f16")
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
+#: the parity probe: passes of these widths (after a rollback each) against one-token steps, after a
+#: short context (cache padded to 256 cells) and after one past llama.cpp's 512-cell split threshold
+PARITY_WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 63, 64)
+PARITY_CONTEXTS = (40, 500)
+
+
 class LlamaCppTarget(TargetBase):
     """A GGUF model run by llama.cpp, one sequence, with a KV cache that can be rolled back."""
 
     backend = "llama.cpp"
     exposes_hidden_states = False
-    # llama.cpp's CPU flash attention switches to a tiled kernel for 64 query rows or more
-    # (GGML_FA_TILE_Q in ggml-cpu/common.h), whose rows differ from a one-token pass (logits by up to
-    # 1.6, measured): a verify pass stays below that width, so k <= 62 drafted tokens a round
-    max_verify_tokens = 63
-    # NOT exact yet: on the bench (60 prompts x 256 tokens, AVX2, 2 threads) speculative outputs left plain's
-    # path on 37 prompts, always late (new token ~150-240, contexts ~300-450), while teacher-forced passes
-    # of 2-17 rows over plain's own continuation were bitwise equal on the 17 prompts checked. Suspects:
-    # the KV cells a rolled-back pass leaves and llama.cpp's split of the KV range across threads for
-    # one-token passes. Until found, the engine refuses a drafter here (allow_inexact=True for tests and
-    # investigation) and `auto` never picks this backend.
-    speculation_exact = False
+    # the widest verify pass the parity probe checks (k <= 63 drafted tokens a round); wider passes
+    # are never needed (the policies stop at 60) and are not checked
+    max_verify_tokens = 64
 
     def __init__(self, gguf: Path, tokenizer, config, max_context: Optional[int] = None, name: str = "model",
-                 threads: Optional[int] = None, batch: int = 512):
+                 threads: Optional[int] = None, batch: int = 512,
+                 kv_cache_types: Sequence[str] = KV_CACHE_TYPES, quiet: bool = False):
+        """`kv_cache_types`: (K, V) element types; anything but the default is for investigation (an
+        all-f16 cache makes verify passes inexact past 256 positions, which the parity probe reports)."""
         lib = import_llama_cpp()
         self._lib = lib
         self.gguf = Path(gguf)
@@ -102,6 +124,11 @@ class LlamaCppTarget(TargetBase):
             raise DiffspecError(f"model file not found: {gguf}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise DiffspecError(f"threads must be a positive integer, got {threads!r}")
+        kv_cache_types = tuple(kv_cache_types)
+        if len(kv_cache_types) != 2 or any(t not in GGML_TYPES for t in kv_cache_types):
+            raise DiffspecError(f"kv_cache_types must be two of {', '.join(GGML_TYPES)} (K, V), got {kv_cache_types!r}")
+        self.kv_cache_types = kv_cache_types
+        self.quiet = quiet
         self.tokenizer, self.name, self.config = tokenizer, name, config
         self.threads = threads or usable_cores()
         _silence(lib)
@@ -124,11 +151,11 @@ class LlamaCppTarget(TargetBase):
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.swa_full = True       # keep every position of sliding-window layers: rollback stays possible
         cparams.no_perf = True
-        # Flash attention ON, always (never `auto`): it is what makes a verify pass exact. With it off, the
-        # CPU attention of a multi-token pass takes another kernel path than a one-token pass: logits
-        # differed by up to 1.8 and argmaxes flipped (2 of 40 rows bitwise equal, measured on AVX2, SmolLM2
-        # Q4_1); with it on, every row of passes 2, 5 and 17 wide was bitwise equal to one-token steps
-        # (tests/test_llama_cpp.py holds this; benchmarks/llama_cpp_parity.py measures it on the bench).
+        cparams.type_k, cparams.type_v = (GGML_TYPES[t] for t in kv_cache_types)
+        # Flash attention ON, always (never `auto`), with the cache types above: that is what makes a verify
+        # pass exact. With it off, the attention of a multi-token pass is a matmul of another shape than a
+        # one-token pass's: logits differed by up to 1.8 and argmaxes flipped (2 of 40 rows bitwise equal,
+        # AVX2, SmolLM2 Q4_1). The parity probe holds the combination to it on every machine.
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -144,10 +171,11 @@ class LlamaCppTarget(TargetBase):
         self.forward_passes = 0
         self._len = 0
         self._fingerprint: Optional[str] = None
+        self._parity: Optional[dict] = None
 
     @classmethod
     def load(cls, spec: Optional[str] = None, max_context: Optional[int] = None, quiet: bool = False,
-             threads: Optional[int] = None) -> "LlamaCppTarget":
+             threads: Optional[int] = None, kv_cache_types: Sequence[str] = KV_CACHE_TYPES) -> "LlamaCppTarget":
         """`threads`: None = every usable core."""
         from ..models import DEFAULT_MODEL, gguf_file, gguf_text_side
 
@@ -157,7 +185,8 @@ class LlamaCppTarget(TargetBase):
             raise DiffspecError(f"the llama.cpp backend runs GGUF files; model '{spec}' is not one "
                                 f"(give a .gguf path or a registered GGUF model, or use --backend transformers)")
         tok, config = gguf_text_side(path, quiet=quiet)
-        return cls(path, tok, config, max_context=max_context, name=spec or DEFAULT_MODEL, threads=threads)
+        return cls(path, tok, config, max_context=max_context, name=spec or DEFAULT_MODEL, threads=threads,
+                   kv_cache_types=kv_cache_types, quiet=quiet)
 
     def __del__(self):
         lib = getattr(self, "_lib", None)
@@ -251,11 +280,98 @@ class LlamaCppTarget(TargetBase):
 
     @property
     def fingerprint(self) -> str:
-        """The GGUF file (path, size, mtime), the backend and its thread count."""
+        """The GGUF file (path, size, mtime), the backend, its thread count and cache types."""
         if self._fingerprint is None:
             import hashlib
 
             st = self.gguf.stat()
-            blob = f"llama.cpp|{self.gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|threads={self.threads}"
+            blob = (f"llama.cpp|{self.gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|threads={self.threads}"
+                    f"|kv={'+'.join(self.kv_cache_types)}")
             self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
         return self._fingerprint
+
+    # --- exactness ---------------------------------------------------------------------
+    def parity_probe(self, widths: Sequence[int] = PARITY_WIDTHS, contexts: Sequence[int] = PARITY_CONTEXTS) -> dict:
+        """Measure whether a verify pass equals one-token steps, bitwise, on this machine and model.
+
+        After `c` tokens of context (a fixed pseudo-random sequence; prefilled as the engine does), m
+        one-token steps give the reference rows; then for each width w the cache is rolled back to c,
+        w tokens go through in one pass and every row is compared; then it is rolled back to the middle
+        of that pass and one token goes again. Returns {"exact", "checked_rows", "first_mismatch",
+        "seconds", ...}. Resets the cache."""
+        import time
+
+        widths = [w for w in widths if w <= (self.max_verify_tokens or w)]
+        m = max(widths)
+        rng = np.random.default_rng(0)
+        seq = [int(t) for t in rng.integers(0, self._n_vocab, max(contexts) + m + 1)]
+        t0, checked, mismatch = time.perf_counter(), 0, None
+        for c in contexts:
+            if c + m + 1 > self.max_context:
+                continue
+            self.reset()
+            self.forward(seq[:c], logits=False)
+            ref = torch.cat([self.forward(seq[c + i: c + i + 1]).logits for i in range(m)])
+            for w in widths:
+                self.truncate(c)
+                rows = self.forward(seq[c: c + w]).logits
+                half = w // 2
+                self.truncate(c + half)
+                again = self.forward(seq[c + half: c + half + 1]).logits
+                checked += w + 1
+                for label, got, want in (("pass", rows, ref[:w]), ("after rollback", again, ref[half: half + 1])):
+                    if not torch.equal(got, want):
+                        row = int((got != want).any(-1).nonzero()[0])
+                        mismatch = {"context": c, "width": w, "where": label, "row": row,
+                                    "max_abs_logit_diff": float((got - want).abs().max())}
+                        break
+                if mismatch:
+                    break
+            if mismatch:
+                break
+        self.reset()
+        return {"exact": mismatch is None, "first_mismatch": mismatch, "checked_rows": checked,
+                "widths": list(widths), "contexts": list(contexts), "kv_cache_types": list(self.kv_cache_types),
+                "threads": self.threads, "seconds": round(time.perf_counter() - t0, 2)}
+
+    def parity_record(self, recheck: bool = False) -> dict:
+        """The parity probe's answer for this machine x model x llama.cpp version x settings: read from
+        the cost cache, or measured (a few seconds, announced) and written there."""
+        if self._parity is not None and not recheck:
+            return self._parity
+        import json
+        import sys
+
+        from ..costs import cache_key, cost_dir, machine_key
+        from ..output import write_atomically
+
+        key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
+                        getattr(self._lib, "__version__", "?"), PARITY_WIDTHS, PARITY_CONTEXTS, self.max_verify_tokens)
+        where = cost_dir() / f"parity-{key}.json"
+        record = None
+        if not recheck:
+            try:
+                record = json.loads(where.read_text())
+                record["exact"]
+            except (OSError, ValueError, KeyError, TypeError):
+                record = None
+        if record is None:
+            if not self.quiet:
+                print("diffspec: checking that llama.cpp's verify passes equal its one-token steps on this machine "
+                      "(once; cached)", file=sys.stderr, flush=True)
+            record = self.parity_probe()
+            record["file"] = str(self.gguf)
+            write_atomically(where, json.dumps(record, indent=1))
+        self._parity = record
+        return record
+
+    @property
+    def speculation_exact(self) -> bool:
+        """Whether verify passes here equal one-token steps: the parity probe's answer (measured once)."""
+        return bool(self.parity_record()["exact"])
+
+    @property
+    def inexact_reason(self) -> str:
+        m = self.parity_record().get("first_mismatch") or {}
+        return (f"on this machine a {m.get('width')}-token pass after {m.get('context')} tokens differed from one-token "
+                f"steps ({m.get('where')}, row {m.get('row')}, logits by up to {m.get('max_abs_logit_diff', 0):.3g})")

@@ -398,6 +398,23 @@ def _needs_transformers(method: str, target) -> None:
                             f"{target.backend} backend (use --backend transformers)")
 
 
+#: methods that run the target's transformers model itself
+TRANSFORMERS_METHODS = ("hf-generate", "hf-prompt-lookup", "dflash-ref")
+_FIXED_DRAFTER = {"plain": "none", "llama.cpp": "none", "auto": "auto", "prompt-lookup": "prompt-lookup"}
+
+
+def method_needs(specs: Sequence["MethodSpec"], registry: Optional[dict] = None) -> tuple:
+    """(the drafter names the methods will run, whether any runs the transformers model): what
+    `--backend auto` weighs for a bench (backends.choose_backend)."""
+    registry = METHODS if registry is None else registry
+    drafters = []
+    for spec in specs:
+        values = spec.values(registry)
+        drafter = _FIXED_DRAFTER.get(spec.method, values.get("drafter"))
+        drafters.append(f"ar:{drafter}" if spec.method == "ar" and drafter else drafter)
+    return tuple(drafters), any(spec.method in TRANSFORMERS_METHODS for spec in specs)
+
+
 def _dflash_ref_builder(target, values: dict) -> Runner:
     _needs_transformers("dflash-ref", target)
     return DFlashRefRunner(target, values["drafter"], values.get("block_size"))

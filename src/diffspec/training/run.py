@@ -307,7 +307,11 @@ def train_drafter(req: TrainRequest) -> dict:
     validate(req)
     world = join_world(req.device)
     try:
-        return _train(req, world)
+        result = _train(req, world)
+        # every rank leaves together: rank 1 tearing its gloo group down while rank 0 still wrote the
+        # checkpoint aborted once in the suite ("terminate called without an active exception")
+        barrier(world)
+        return result
     finally:
         leave_world(world)
 
