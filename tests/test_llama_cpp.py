@@ -395,3 +395,17 @@ def test_bench_tells_auto_which_drafters_and_models_it_will_run():
     assert drafters == ("none", "none", "prompt-lookup", "auto", "conditioned") and not hf
     assert method_needs(expand_methods(["plain", "hf-generate"]))[1]
     assert method_needs(expand_methods(["ar:drafter=some/model"]))[0][-1] == "ar:some/model"
+
+
+@pytest.mark.slow
+def test_parity_probe_fits_a_small_context_and_never_passes_unchecked():
+    """A target opened with a small max_context probes what fits (the widths and contexts it ran are in
+    the record and its cache key); one too small to check anything is not called exact."""
+    from diffspec.backends.llama_cpp import LlamaCppTarget
+
+    small = LlamaCppTarget.load(None, quiet=True, threads=THREADS, max_context=16)
+    record = small.parity_record()
+    assert record["widths"] == [2, 3, 4, 5, 8, 9] and record["contexts"] == [6]
+    assert record["exact"] and record["checked_rows"] > 0
+    tiny = LlamaCppTarget.load(None, quiet=True, threads=THREADS, max_context=2)
+    assert not tiny.speculation_exact and "could not be checked" in tiny.inexact_reason

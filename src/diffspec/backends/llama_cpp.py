@@ -301,14 +301,16 @@ class LlamaCppTarget(TargetBase):
         "seconds", ...}. Resets the cache."""
         import time
 
-        widths = [w for w in widths if w <= (self.max_verify_tokens or w)]
+        widths, contexts = self._probe_plan(widths, contexts)
+        if not widths or not contexts:
+            return {"exact": False, "first_mismatch": {"why": f"a context of {self.max_context} tokens leaves no room"},
+                    "checked_rows": 0, "widths": list(widths), "contexts": list(contexts),
+                    "kv_cache_types": list(self.kv_cache_types), "threads": self.threads, "seconds": 0.0}
         m = max(widths)
         rng = np.random.default_rng(0)
         seq = [int(t) for t in rng.integers(0, self._n_vocab, max(contexts) + m + 1)]
         t0, checked, mismatch = time.perf_counter(), 0, None
         for c in contexts:
-            if c + m + 1 > self.max_context:
-                continue
             self.reset()
             self.forward(seq[:c], logits=False)
             ref = torch.cat([self.forward(seq[c + i: c + i + 1]).logits for i in range(m)])
@@ -334,6 +336,15 @@ class LlamaCppTarget(TargetBase):
                 "widths": list(widths), "contexts": list(contexts), "kv_cache_types": list(self.kv_cache_types),
                 "threads": self.threads, "seconds": round(time.perf_counter() - t0, 2)}
 
+    def _probe_plan(self, widths: Sequence[int], contexts: Sequence[int]) -> tuple:
+        """The widths and contexts the probe can run within this target's context (a small
+        max_context moves the long context down; the record's key holds what was run)."""
+        widths = sorted(w for w in set(widths) if 2 <= w <= min(self.max_verify_tokens or w, self.max_context - 2))
+        if not widths:
+            return (), ()
+        room = self.max_context - max(widths) - 1
+        return tuple(widths), tuple(sorted({min(c, room) for c in contexts if min(c, room) >= 1}))
+
     def parity_record(self, recheck: bool = False) -> dict:
         """The parity probe's answer for this machine x model x llama.cpp version x settings: read from
         the cost cache, or measured (a few seconds, announced) and written there."""
@@ -346,7 +357,7 @@ class LlamaCppTarget(TargetBase):
         from ..output import write_atomically
 
         key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
-                        getattr(self._lib, "__version__", "?"), PARITY_WIDTHS, PARITY_CONTEXTS, self.max_verify_tokens)
+                        getattr(self._lib, "__version__", "?"), self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS))
         where = cost_dir() / f"parity-{key}.json"
         record = None
         if not recheck:
@@ -373,5 +384,7 @@ class LlamaCppTarget(TargetBase):
     @property
     def inexact_reason(self) -> str:
         m = self.parity_record().get("first_mismatch") or {}
+        if "why" in m:
+            return f"its verify passes could not be checked ({m['why']})"
         return (f"on this machine a {m.get('width')}-token pass after {m.get('context')} tokens differed from one-token "
                 f"steps ({m.get('where')}, row {m.get('row')}, logits by up to {m.get('max_abs_logit_diff', 0):.3g})")
