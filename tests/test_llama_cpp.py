@@ -70,34 +70,57 @@ def test_which_drafters_need_hidden_states():
         assert needs(name), name
 
 
-def test_auto_backend_weighs_speed_exactness_and_the_drafter(tmp_path, monkeypatch):
-    """`auto` reads what it measured (step times, the parity probe's answer) and picks llama.cpp only
-    where it is faster and, when anything is drafted, exact; never under a drafter that reads hidden
-    states or a method that runs the transformers model."""
+def test_auto_backend_weighs_speed_and_the_drafter(tmp_path, monkeypatch):
+    """`auto` reads the step times it measured and picks llama.cpp only where it is faster; never under
+    a drafter that reads hidden states or a method that runs the transformers model. A cached record
+    of the wrong shape is measured again, not trusted."""
     import json
 
-    from diffspec.backends import backend_record_path, choose_backend
+    from diffspec.backends import backend_record_path, choose_backend, read_step_times
     from diffspec.backends import llama_cpp
 
     monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path / "costs"))
     monkeypatch.setattr(llama_cpp, "available", lambda: True)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
+    where = backend_record_path(gguf)
+    where.parent.mkdir(parents=True, exist_ok=True)
 
-    def pick(llama_s, exact, **kw):
-        where = backend_record_path(gguf)
-        where.parent.mkdir(parents=True, exist_ok=True)
-        where.write_text(json.dumps({"step_s": {"llama.cpp": llama_s, "transformers": 0.05},
-                                     "speculation_exact": exact}))
+    def pick(llama_s, **kw):
+        where.write_text(json.dumps({"step_s": {"llama.cpp": llama_s, "transformers": 0.05}}))
         return choose_backend(str(gguf), torch.float32, "cpu", None, quiet=True, **kw)
 
-    assert pick(0.01, True) == "llama.cpp"
-    assert pick(0.09, True) == "transformers"                                 # slower here
-    assert pick(0.01, False) == "transformers"                                # drafting, not exact
-    assert pick(0.01, False, drafters=("none",)) == "llama.cpp"               # plain decoding needs no parity
-    assert pick(0.01, True, drafters=("conditioned",)) == "transformers"      # needs hidden states
-    assert pick(0.01, True, drafters=("none",), needs_transformers=True) == "transformers"
+    assert pick(0.01) == "llama.cpp"
+    assert pick(0.09) == "transformers"                                       # slower here
+    assert pick(0.01, drafters=("none",)) == "llama.cpp"
+    assert pick(0.01, drafters=("conditioned",)) == "transformers"            # needs hidden states
+    assert pick(0.01, drafters=("none",), needs_transformers=True) == "transformers"
     assert choose_backend(str(gguf), torch.bfloat16, "cpu", None, quiet=True) == "transformers"
+    for bad in ({"step_s": {"llama.cpp": "fast", "transformers": 0.05}}, {"step_s": {"llama.cpp": 0.01}}, [1]):
+        where.write_text(json.dumps(bad))
+        assert read_step_times(where) is None
+
+
+def test_auto_falls_back_to_transformers_where_speculation_is_not_exact(tiny_model_dir, monkeypatch, capsys):
+    """Chosen for speed, a llama.cpp target is kept for plain decoding, and for drafting only where its
+    own parity answer is exact; otherwise `auto` loads transformers and says why."""
+    import diffspec.backends as backends
+    from diffspec.backends import llama_cpp
+
+    class Probed:
+        backend, speculation_exact, inexact_reason = "llama.cpp", False, "a 9-token pass differed"
+
+    loaded = []
+    monkeypatch.setattr(backends, "choose_backend", lambda *a, **k: "llama.cpp")
+    monkeypatch.setattr(backends, "check_backend_settings", lambda *a, **k: None)
+    fake_load = classmethod(lambda cls, *a, **k: loaded.append(1) or Probed())
+    monkeypatch.setattr(llama_cpp.LlamaCppTarget, "load", fake_load)
+    assert isinstance(load_target(str(tiny_model_dir), drafters=("none",)), Probed)
+    target = load_target(str(tiny_model_dir), drafters=("prompt-lookup",))
+    assert target.backend == "transformers" and len(loaded) == 2
+    assert "not llama.cpp, for speculative decoding: a 9-token pass differed" in capsys.readouterr().err
+    Probed.speculation_exact = True
+    assert isinstance(load_target(str(tiny_model_dir), drafters=("prompt-lookup",)), Probed)
 
 
 def test_cli_refuses_before_loading(tiny_model_dir):
@@ -215,7 +238,8 @@ def test_long_contexts_on_two_threads_probe_catches_f16_and_shipped_settings_sta
     assert not split["exact"] and split["first_mismatch"]["context"] == 500
     tiled = t.parity_probe(widths=(63, 64), contexts=(40,))
     assert not tiled["exact"] and tiled["first_mismatch"]["width"] == 64
-    with pytest.raises(DiffspecError, match=r"would not be exact: on this machine a \d+-token pass.*--drafter none"):
+    with pytest.raises(DiffspecError, match=r"no speculative decoding on the llama.cpp backend here: its verify "
+                                            r"passes are not exact on this machine \(a \d+-token pass.*--drafter none"):
         SpeculativeEngine(t, PromptLookupDrafter(), make_policy("fixed", gamma=4))
     assert SpeculativeEngine(t, None).generate("Hi", max_new_tokens=4).token_ids
     with pytest.raises(DiffspecError, match="kv_cache_types must be two of"):
@@ -398,14 +422,23 @@ def test_bench_tells_auto_which_drafters_and_models_it_will_run():
 
 
 @pytest.mark.slow
-def test_parity_probe_fits_a_small_context_and_never_passes_unchecked():
+def test_parity_probe_fits_a_small_context_and_never_passes_unchecked(tmp_path, monkeypatch, llama_target):
     """A target opened with a small max_context probes what fits (the widths and contexts it ran are in
-    the record and its cache key); one too small to check anything is not called exact."""
+    the record and its cache key, so its answer is never read back for a full context); one too small
+    to check anything is not called exact, and that answer is not cached."""
     from diffspec.backends.llama_cpp import LlamaCppTarget
 
-    small = LlamaCppTarget.load(None, quiet=True, threads=THREADS, max_context=16)
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path / "costs"))
+    small = LlamaCppTarget.load(None, quiet=True, threads=llama_target.threads, max_context=16)
     record = small.parity_record()
     assert record["widths"] == [2, 3, 4, 5, 8, 9] and record["contexts"] == [6]
     assert record["exact"] and record["checked_rows"] > 0
-    tiny = LlamaCppTarget.load(None, quiet=True, threads=THREADS, max_context=2)
-    assert not tiny.speculation_exact and "could not be checked" in tiny.inexact_reason
+    full = LlamaCppTarget.load(None, quiet=True, threads=llama_target.threads)
+    assert full.parity_record()["widths"][-1] == 64 and full.parity_record()["contexts"][-1] >= 500
+    assert len(list((tmp_path / "costs").glob("parity-*.json"))) == 2
+    tiny = LlamaCppTarget.load(None, quiet=True, threads=llama_target.threads, max_context=2)
+    assert not tiny.speculation_exact
+    assert "could not be checked for exactness (--max-context 2 leaves no room" in tiny.inexact_reason
+    assert len(list((tmp_path / "costs").glob("parity-*.json"))) == 2
+    with pytest.raises(DiffspecError, match="no speculative decoding .* its verify passes could not be checked"):
+        SpeculativeEngine(tiny, PromptLookupDrafter(), make_policy("fixed", gamma=2))

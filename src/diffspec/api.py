@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .backends import check_backend_settings, choose_backend, load_target
+from .backends import auto_keeps, check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
 from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
@@ -42,13 +42,15 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
                       tuple(sorted(policy_options.items())))
         if engine_key in _ENGINES:
             return _ENGINES[engine_key]
-    if backend == "auto":  # resolved first: which backend auto picks depends on the drafter
-        backend = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,))
-    key = (model, dtype, device, max_context, backend)
-    if key not in _TARGETS:
-        _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,
-                                    quiet=quiet)
-    target = _TARGETS[key]
+    target = None
+    if backend == "auto":  # resolved first, so one loaded target serves every engine that resolves alike
+        chosen = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,))
+        if chosen == "llama.cpp":
+            target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet)
+            if not auto_keeps(target, (drafter,), quiet):
+                target = None
+    target = target or _shared_target(model, dtype, torch_dtype, device, max_context,
+                                      "transformers" if backend == "auto" else backend, quiet)
     combine = policy == "auto" or getattr(policy, "name", None) == "auto"
     drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype,
                                combine=combine)
@@ -62,6 +64,15 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     if engine_key is not None:
         _ENGINES[engine_key] = engine
     return engine
+
+
+def _shared_target(model, dtype: str, torch_dtype, device: str, max_context, backend: str, quiet: bool):
+    """One loaded target per (model, dtype, device, max_context, backend) in this process."""
+    key = (model, dtype, device, max_context, backend)
+    if key not in _TARGETS:
+        _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,
+                                    quiet=quiet)
+    return _TARGETS[key]
 
 
 def generate(prompt: Prompt, model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,

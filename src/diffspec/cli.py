@@ -428,11 +428,11 @@ def _bench(args) -> int:
                          seed=args.seed, repeats=args.repeats, chat=not args.raw, raster_prompt=args.raster_prompt,
                          quiet=args.quiet, command=shlex.join(["diffspec"] + list(sys.argv[1:] if args.argv is None
                                                                                   else args.argv)))
-    prepare(config)  # bad methods, parameters or prompt files fail before the model loads
+    specs = prepare(config)[1]  # bad methods, parameters or prompt files fail before the model loads
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
     check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device)
-    drafters, needs_transformers = method_needs(prepare(config)[1])
+    drafters, needs_transformers = method_needs(specs)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,
                          quiet=args.quiet, drafters=drafters, needs_transformers=needs_transformers)
     result = run_bench(config, target, out=args.out)

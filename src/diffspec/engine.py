@@ -46,10 +46,10 @@ class SpeculativeEngine:
 
     def __init__(self, target: Target, drafter: Optional[Drafter] = None, policy: Optional[LengthPolicy] = None,
                  allow_inexact: bool = False):
-        if drafter is not None and not allow_inexact and not getattr(target, "speculation_exact", True):
-            why = getattr(target, "inexact_reason", "its verify passes differ from its one-token steps")
-            raise DiffspecError(f"speculative decoding on the {target.backend} backend would not be exact: {why}; use "
-                                f"--drafter none for its plain speed, or --backend transformers for exact speculation")
+        if drafter is not None and not allow_inexact and not target.speculation_exact:
+            raise DiffspecError(f"no speculative decoding on the {target.backend} backend here: "
+                                f"{target.inexact_reason}; use --drafter none for its plain speed, or --backend "
+                                f"transformers for exact speculation")
         if drafter is not None:
             drafter.attach(target)
         self.target = target

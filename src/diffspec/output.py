@@ -25,6 +25,19 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def try_write_cache(path: Path, text: str, what: str) -> bool:
+    """Write a cache file; where the cache folder is read-only, warn once and go on (the answer in
+    hand holds for this process). Returns whether it was written."""
+    import sys
+
+    try:
+        write_atomically(path, text)
+        return True
+    except OSError as e:
+        print(f"diffspec: warning: could not cache {what} in {path} ({e})", file=sys.stderr, flush=True)
+        return False
+
+
 def pyplot_or_warn(skipping: str):
     """matplotlib.pyplot on the Agg backend, or None with a warning naming the file `skipping`."""
     try:

@@ -113,9 +113,11 @@ class TargetBase:
     #: the widest pass whose every row equals a one-token pass (None: any width); the engine never
     #: verifies more than this many tokens at once
     max_verify_tokens: Optional[int] = None
-    #: every verify pass equals one-token steps at every context length; the engine refuses a drafter
-    #: on a backend where this is False (see backends/llama_cpp.py)
+    #: verify passes (up to max_verify_tokens wide) equal one-token steps row for row; the engine
+    #: refuses a drafter where this is False, giving `inexact_reason` (see backends/llama_cpp.py,
+    #: where it is measured; here it holds by construction: tests/test_equivalence.py)
     speculation_exact = True
+    inexact_reason = ""
 
     def check_drafter(self, drafter_name: str, needs_hidden_states: bool) -> None:
         """Refuse, by name, a drafter this backend cannot feed."""

@@ -5,11 +5,13 @@
 - `llama.cpp` (backends.llama_cpp.LlamaCppTarget): a GGUF file run by llama.cpp on the CPU with
   its own quantised kernels. Drafters that read the target's hidden states are refused on it.
 - `auto` (the default): llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed,
-  a one-token step measures faster there than in transformers on this machine, and, if anything will
-  be drafted, llama.cpp's parity probe found its verify passes exact here
-  (`LlamaCppTarget.parity_probe`); both measured once per machine and file, cached beside the cost
-  tables. Transformers otherwise, and always for a drafter that reads the target's hidden states
-  (conditioned, or a drafter folder or hub id, whose kind is not known until it loads).
+  a one-token step measures faster there than in transformers on this machine (timed once per
+  machine and file, cached beside the cost tables: `choose_backend`), and, if anything will be
+  drafted, the loaded llama.cpp target's parity probe finds its verify passes exact for this
+  machine, file, llama.cpp version, thread count and context size (`LlamaCppTarget.parity_record`,
+  its own cache; `load_target` falls back to transformers where it does not). Transformers
+  otherwise, and always for a drafter that reads the target's hidden states (conditioned, or a
+  drafter folder or hub id, whose kind is not known until it loads).
 
 The two backends are different models numerically (llama.cpp multiplies with quantised weights and
 quantised activations; transformers with the dequantized float32 weights), so their greedy outputs
@@ -68,6 +70,10 @@ def drafter_needs_hidden_states(spec: Optional[str]) -> bool:
     return any(part not in TOKEN_ONLY_DRAFTERS and not part.startswith("ar:") for part in spec.split("+"))
 
 
+def is_drafting(drafters: Sequence[Optional[str]]) -> bool:
+    return any(d not in (None, "none") for d in drafters)
+
+
 def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.dtype = torch.float32,
                 device: str = "cpu", max_context: Optional[int] = None, quiet: bool = False,
                 drafters: Sequence[Optional[str]] = ("auto",), needs_transformers: bool = False):
@@ -78,15 +84,37 @@ def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.
     from .llama_cpp import LlamaCppTarget
 
     check_backend_settings(backend, spec, dtype, device)
+    chosen = backend
     if backend == "auto":
-        backend = choose_backend(spec, dtype, device, max_context, quiet, drafters, needs_transformers)
-    if backend == "llama.cpp":
-        return LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)
+        chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters, needs_transformers)
+    if chosen == "llama.cpp":
+        target = LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)
+        if backend != "auto" or auto_keeps(target, drafters, quiet):
+            return target
+        del target
     return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet)
 
 
-def step_time(target, context: int = 64, steps: int = 16) -> float:
-    """Median seconds of a one-token step after `context` tokens (after two warm-up steps)."""
+def auto_keeps(target, drafters: Sequence[Optional[str]], quiet: bool = False) -> bool:
+    """Whether `auto` keeps a llama.cpp target it chose for speed: yes for plain decoding, and when
+    drafting only where its parity probe found verify passes exact (never trade exactness for speed)."""
+    if not is_drafting(drafters) or target.speculation_exact:
+        return True
+    if not quiet:
+        print(f"diffspec: the target runs in transformers, not llama.cpp, for speculative decoding: "
+              f"{target.inexact_reason}", file=sys.stderr, flush=True)
+    return False
+
+
+#: the context `auto` times a one-token step after, and the context size it loads each backend with
+#: for that (the timing belongs to the machine and file, not to a request's --max-context)
+STEP_CONTEXT, STEP_MAX_CONTEXT = 64, 256
+
+
+def step_time(target, context: int = STEP_CONTEXT, steps: int = 16) -> float:
+    """Median seconds of a one-token step after `context` tokens (after two warm-up steps); the
+    context shrinks to what the target's max_context holds."""
+    context = max(1, min(context, target.max_context - steps - 2))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (context + steps + 2,), generator=gen)
     target.reset()
@@ -102,23 +130,36 @@ def step_time(target, context: int = 64, steps: int = 16) -> float:
 
 
 def backend_record_path(gguf: Path) -> Path:
-    """Where `auto` keeps what it measured for this GGUF file on this machine."""
+    """Where `auto` keeps the step times it measured for this GGUF file on this machine."""
     from ..costs import cache_key, cost_dir, machine_key
 
     st = gguf.stat()
-    key = cache_key("backend", machine_key(torch.device("cpu")), str(gguf.resolve()), st.st_size, int(st.st_mtime))
+    key = cache_key("backend", machine_key(torch.device("cpu")), str(gguf.resolve()), st.st_size, int(st.st_mtime),
+                    STEP_CONTEXT, STEP_MAX_CONTEXT)
     return cost_dir() / f"backend-{key}.json"
+
+
+def read_step_times(where: Path) -> Optional[dict]:
+    """The cached {"llama.cpp": s, "transformers": s}, or None when absent or not that shape."""
+    try:
+        times = json.loads(where.read_text())["step_s"]
+        if all(isinstance(times[k], (int, float)) and times[k] > 0 for k in ("llama.cpp", "transformers")):
+            return times
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_context: Optional[int],
                    quiet: bool = False, drafters: Sequence[Optional[str]] = ("auto",),
                    needs_transformers: bool = False) -> str:
-    """`auto`: llama.cpp when the target is a GGUF file on the CPU in float32, llama-cpp-python is
-    installed, nothing needs the transformers model or hidden states, its one-token step measured
-    faster than transformers' on this machine and, if any drafter will run, its parity probe found
-    verify passes exact. The measurements are taken once per machine and file (cached)."""
+    """`auto`, before anything loads: llama.cpp when the target is a GGUF file on the CPU in float32,
+    llama-cpp-python is installed, nothing needs the transformers model or hidden states, and its
+    one-token step measured faster than transformers' on this machine (once per machine and file,
+    cached). Exactness is the loaded target's to answer (`auto_keeps`). `max_context` is accepted
+    for the callers' symmetry; the timing does not depend on it."""
     from ..models import gguf_file
-    from ..output import write_atomically
+    from ..output import try_write_cache
     from .llama_cpp import available
 
     if not str(device).startswith("cpu") or dtype != torch.float32 or not available() or needs_transformers:
@@ -128,34 +169,24 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
     path = gguf_file(spec)
     if path is None:
         return "transformers"
-    drafting = any(d not in (None, "none") for d in drafters)
     where = backend_record_path(path)
-    try:
-        record = json.loads(where.read_text())
-        record["step_s"]["llama.cpp"], record["step_s"]["transformers"], record["speculation_exact"]
-    except (OSError, ValueError, KeyError, TypeError):
-        record = None
-    if record is None:
+    times = read_step_times(where)
+    if times is None:
         from ..target import Target
         from .llama_cpp import LlamaCppTarget
 
         if not quiet:
             print("diffspec: choosing the target backend on this machine (timing a one-token step in transformers and "
-                  "in llama.cpp, and checking llama.cpp's verify passes; once, cached)", file=sys.stderr, flush=True)
-        target = LlamaCppTarget.load(spec, max_context=max_context, quiet=True)
-        record = {"step_s": {"llama.cpp": step_time(target)}, "speculation_exact": target.speculation_exact,
-                  "parity": target.parity_record(), "file": str(path)}
+                  "in llama.cpp; once, cached)", file=sys.stderr, flush=True)
+        times = {}
+        target = LlamaCppTarget.load(spec, max_context=STEP_MAX_CONTEXT, quiet=True)
+        times["llama.cpp"] = step_time(target)
         del target
-        target = Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet)
-        record["step_s"]["transformers"] = step_time(target)
+        target = Target.load(spec, dtype=dtype, device=device, max_context=STEP_MAX_CONTEXT, quiet=quiet)
+        times["transformers"] = step_time(target)
         del target
-        write_atomically(where, json.dumps(record, indent=1))
+        try_write_cache(where, json.dumps({"step_s": times, "file": str(path)}, indent=1), "the backend step times")
         if not quiet:
-            print("diffspec: one-token step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in record["step_s"].items())
-                  + f"; llama.cpp verify passes exact here: {record['speculation_exact']}", file=sys.stderr, flush=True)
-    times = record["step_s"]
-    if times["llama.cpp"] >= times["transformers"]:
-        return "transformers"
-    if drafting and not record["speculation_exact"]:
-        return "transformers"  # never trade exactness for speed
-    return "llama.cpp"
+            print("diffspec: one-token step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
+                  file=sys.stderr, flush=True)
+    return "llama.cpp" if times["llama.cpp"] < times["transformers"] else "transformers"

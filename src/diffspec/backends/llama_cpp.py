@@ -26,8 +26,9 @@ KV_CACHE_TYPES).
 Nothing here is taken on trust: `parity_probe` measures, on this machine and model, that passes of
 every width up to `max_verify_tokens` equal one-token steps bitwise, after a short and after a long
 context (past the 512-cell threshold), with rollbacks between them. `speculation_exact` is its
-answer, measured once per machine x model x llama.cpp version and cached; the engine refuses a
-drafter where it is False (another CPU's matmul kernels could differ by batch size).
+answer, measured once per machine x file x llama.cpp version x threads x cache types x what the
+context size lets it check, and cached; the engine refuses a drafter where it is False (another CPU's
+or model's matmul kernels can differ by batch size: Gemma 3 270M Q4_K_M fails it on AVX2).
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ class LlamaCppTarget(TargetBase):
 
         widths, contexts = self._probe_plan(widths, contexts)
         if not widths or not contexts:
-            return {"exact": False, "first_mismatch": {"why": f"a context of {self.max_context} tokens leaves no room"},
+            why = f"--max-context {self.max_context} leaves no room for a pass of 2 tokens after 1"
+            return {"exact": False, "first_mismatch": {"why": why},
                     "checked_rows": 0, "widths": list(widths), "contexts": list(contexts),
                     "kv_cache_types": list(self.kv_cache_types), "threads": self.threads, "seconds": 0.0}
         m = max(widths)
@@ -346,24 +348,31 @@ class LlamaCppTarget(TargetBase):
         return tuple(widths), tuple(sorted({min(c, room) for c in contexts if min(c, room) >= 1}))
 
     def parity_record(self, recheck: bool = False) -> dict:
-        """The parity probe's answer for this machine x model x llama.cpp version x settings: read from
-        the cost cache, or measured (a few seconds, announced) and written there."""
+        """The parity probe's answer for this machine x model x llama.cpp version x settings (threads,
+        cache types, what the context size lets it check): read from the cost cache, or measured (a
+        few seconds, announced) and written there. A context too small to check anything is answered
+        "not exact" without a probe and is not cached."""
         if self._parity is not None and not recheck:
             return self._parity
         import json
         import sys
 
         from ..costs import cache_key, cost_dir, machine_key
-        from ..output import write_atomically
+        from ..output import try_write_cache
 
+        plan = self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS)
+        if not plan[0] or not plan[1]:
+            self._parity = self.parity_probe()
+            return self._parity
         key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
-                        getattr(self._lib, "__version__", "?"), self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS))
+                        getattr(self._lib, "__version__", "?"), plan)
         where = cost_dir() / f"parity-{key}.json"
         record = None
         if not recheck:
             try:
                 record = json.loads(where.read_text())
-                record["exact"]
+                if not isinstance(record["exact"], bool):
+                    record = None
             except (OSError, ValueError, KeyError, TypeError):
                 record = None
         if record is None:
@@ -372,7 +381,7 @@ class LlamaCppTarget(TargetBase):
                       "(once; cached)", file=sys.stderr, flush=True)
             record = self.parity_probe()
             record["file"] = str(self.gguf)
-            write_atomically(where, json.dumps(record, indent=1))
+            try_write_cache(where, json.dumps(record, indent=1), "the parity probe's answer")
         self._parity = record
         return record
 
@@ -383,8 +392,10 @@ class LlamaCppTarget(TargetBase):
 
     @property
     def inexact_reason(self) -> str:
+        """Why speculation here is not known to be exact (for the engine's refusal)."""
         m = self.parity_record().get("first_mismatch") or {}
         if "why" in m:
-            return f"its verify passes could not be checked ({m['why']})"
-        return (f"on this machine a {m.get('width')}-token pass after {m.get('context')} tokens differed from one-token "
-                f"steps ({m.get('where')}, row {m.get('row')}, logits by up to {m.get('max_abs_logit_diff', 0):.3g})")
+            return f"its verify passes could not be checked for exactness ({m['why']})"
+        return (f"its verify passes are not exact on this machine (a {m.get('width')}-token pass after "
+                f"{m.get('context')} tokens differed from one-token steps: {m.get('where')}, row {m.get('row')}, "
+                f"logits by up to {m.get('max_abs_logit_diff', 0):.3g})")

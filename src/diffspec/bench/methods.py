@@ -151,7 +151,8 @@ class HFRunner(Runner):
 class LlamaCppPeerRunner(Runner):
     """llama.cpp's own plain decoding: llama-cpp-python's `Llama.generate` on the target's GGUF file,
     with its own sampler (greedy at temperature 0), its KV cache emptied before every prompt, flash
-    attention on (llama.cpp's own default on a CPU, and the backend's setting). The peer
+    attention on (llama.cpp's own default on a CPU, and the backend's setting) and llama.cpp's default
+    all-f16 KV cache (the backend keeps K in q8_0 for exactness; a step timed as fast). The peer
     a CPU user would run instead. Its greedy output is compared with plain's but not judged: beside a
     transformers target it is another computation (quantised activations); beside the llama.cpp backend
     it prefills the whole prompt in one pass where the engine leaves the last prompt token to the first
