@@ -29,16 +29,17 @@ _ENGINES: dict = {}
 def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
                 policy: "str | LengthPolicy" = DEFAULT_POLICY, dtype: str = "float32", device: str = "cpu",
                 max_context: Optional[int] = None, quiet: bool = False, drafter_dtype: str = "auto",
-                backend: str = "auto", **policy_options) -> SpeculativeEngine:
+                backend: str = "auto", kernels: str = "auto", **policy_options) -> SpeculativeEngine:
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
-    drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py)."""
+    drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py).
+    `kernels`: auto or stock, the transformers backend's matmul choice (kernels.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
-    check_backend_settings(backend, model, torch_dtype, device)
+    check_backend_settings(backend, model, torch_dtype, device, kernels)
     engine_key = None
     if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
-        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype, backend,
+        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype, backend, kernels,
                       tuple(sorted(policy_options.items())))
         if engine_key in _ENGINES:
             return _ENGINES[engine_key]
@@ -46,11 +47,11 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     if backend == "auto":  # resolved first, so one loaded target serves every engine that resolves alike
         chosen = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,))
         if chosen == "llama.cpp":
-            target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet)
+            target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet, kernels)
             if not auto_keeps(target, (drafter,), quiet):
                 target = None
     target = target or _shared_target(model, dtype, torch_dtype, device, max_context,
-                                      "transformers" if backend == "auto" else backend, quiet)
+                                      "transformers" if backend == "auto" else backend, quiet, kernels)
     combine = policy == "auto" or getattr(policy, "name", None) == "auto"
     drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype,
                                combine=combine)
@@ -66,12 +67,13 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     return engine
 
 
-def _shared_target(model, dtype: str, torch_dtype, device: str, max_context, backend: str, quiet: bool):
-    """One loaded target per (model, dtype, device, max_context, backend) in this process."""
-    key = (model, dtype, device, max_context, backend)
+def _shared_target(model, dtype: str, torch_dtype, device: str, max_context, backend: str, quiet: bool,
+                   kernels: str):
+    """One loaded target per (model, dtype, device, max_context, backend, kernels) in this process."""
+    key = (model, dtype, device, max_context, backend, kernels if backend == "transformers" else "auto")
     if key not in _TARGETS:
         _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,
-                                    quiet=quiet)
+                                    quiet=quiet, kernels=key[-1])
     return _TARGETS[key]
 
 

@@ -21,8 +21,10 @@ transformers 5.23 also changed `DynamicCache.crop` to take a non-positive count 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from .errors import DiffspecError
 
@@ -45,14 +47,92 @@ def check_rollback(config, name: str = "model") -> None:
             f"diffspec supports models whose layers are {', '.join(ROLLBACK_LAYER_TYPES[:-1])}")
 
 
-def new_cache(config) -> DynamicCache:
-    """An empty cache for a model with `config`, able to roll back (see the module docstring)."""
+class PositionalLayer(DynamicLayer):
+    """A full-attention layer's cache indexed by position (gpt-fast's design): keys and values live
+    in buffers preallocated for `capacity` positions, a pass writes its rows in place at positions
+    [length, length + n), attention reads the view [:length + n], and rolling back is moving the
+    length. No copy of the cache per pass, unlike DynamicLayer's concatenation (whose cost grows
+    with the context). Past the capacity the buffers double (a copy, amortised over as many passes).
+    Keys and values are views into the buffers: they are valid until the next pass."""
+
+    def __init__(self, capacity: int = 256, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self._keys = key_states.new_empty((b, h, self.capacity, d))
+        self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.length = 0
+        self._view()
+        self.is_initialized = True
+
+    def _view(self) -> None:
+        self.keys = self._keys[:, :, :self.length]
+        self.values = self._values[:, :, :self.length]
+
+    def reserve(self, positions: int) -> None:
+        """Make room for `positions` positions (doubling), keeping what is held."""
+        if positions <= self.capacity:
+            return
+        self.capacity = max(positions, 2 * self.capacity)
+        if self.is_initialized:
+            grown_k = self._keys.new_empty(self._keys.shape[:2] + (self.capacity, self._keys.shape[-1]))
+            grown_v = self._values.new_empty(self._values.shape[:2] + (self.capacity, self._values.shape[-1]))
+            grown_k[:, :, :self.length] = self._keys[:, :, :self.length]
+            grown_v[:, :, :self.length] = self._values[:, :, :self.length]
+            self._keys, self._values = grown_k, grown_v
+            self._view()
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self.reserve(self.length + n)
+        self._keys[:, :, self.length:self.length + n] = key_states
+        self._values[:, :, self.length:self.length + n] = value_states
+        self.length += n
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._view()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._view()
+
+
+def new_cache(config, capacity: Optional[int] = None) -> DynamicCache:
+    """An empty cache for a model with `config`, able to roll back (see the module docstring): its
+    full-attention layers are position-indexed (`PositionalLayer`, preallocated for `capacity`
+    positions, default 256, growing as needed); its sliding-window layers record their past."""
     check_rollback(config)
     cache = DynamicCache(config=config)
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.activate_past_recording()
+        elif type(layer) is DynamicLayer:
+            cache.layers[i] = PositionalLayer(capacity or 256)
     return cache
+
+
+def reserve_cache(cache: DynamicCache, positions: int) -> None:
+    """Preallocate the position-indexed layers of `cache` for `positions` positions (a request's
+    prompt, new tokens and widest draft), so none grows mid-request."""
+    for layer in cache.layers:
+        if isinstance(layer, PositionalLayer):
+            layer.reserve(positions)
 
 
 def common_prefix_length(a, b) -> int:
@@ -67,8 +147,11 @@ def common_prefix_length(a, b) -> int:
 
 def full_cache() -> DynamicCache:
     """A cache whose every layer keeps every position: for drafters that pass their own attention
-    masks (block diffusion), which transformers applies to every layer as given, window or not."""
-    return DynamicCache()
+    masks (block diffusion), which transformers applies to every layer as given, window or not.
+    Its layers are position-indexed (`PositionalLayer`), made as the first pass reaches them."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = PositionalLayer
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:

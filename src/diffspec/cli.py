@@ -266,6 +266,10 @@ def add_backend_option(parser) -> None:
                              "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
                              "faster and, when drafting, its verify passes measure exact; never for a drafter that "
                              "reads hidden states; measured once per machine, cached)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "stock"],
+                        help="transformers backend on a CPU: auto (default) lets each linear layer take the matmul "
+                             "formulation measured faster on this machine for the pass's row count (once, cached); "
+                             "stock runs F.linear everywhere")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
@@ -366,7 +370,8 @@ def _generate(args) -> int:
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
-                         quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend, **options)
+                         quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend,
+                         kernels=args.kernels, **options)
     stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            chat=not args.raw, system=args.system)
     if args.json:
@@ -431,10 +436,11 @@ def _bench(args) -> int:
     specs = prepare(config)[1]  # bad methods, parameters or prompt files fail before the model loads
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
-    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device)
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device, args.kernels)
     drafters, needs_transformers = method_needs(specs)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,
-                         quiet=args.quiet, drafters=drafters, needs_transformers=needs_transformers)
+                         quiet=args.quiet, drafters=drafters, needs_transformers=needs_transformers,
+                         kernels=args.kernels)
     result = run_bench(config, target, out=args.out)
     best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
     print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)

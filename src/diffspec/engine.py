@@ -99,6 +99,7 @@ class SpeculativeEngine:
         # 0. prefill: the cache takes every prompt token but the last
         t0 = time.perf_counter()
         target.reset()
+        target.reserve(len(prompt_ids) + max_new_tokens)  # the most this request's cache will hold
         passes_before = target.forward_passes
         policy.begin_request(sampling.greedy)
         sources = drafter.sources if drafter is not None else ()

@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .cache import cache_length, new_cache, truncate_cache
+from .cache import cache_length, new_cache, reserve_cache, truncate_cache
 from .errors import DiffspecError
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
@@ -113,11 +113,16 @@ class TargetBase:
     #: the widest pass whose every row equals a one-token pass (None: any width); the engine never
     #: verifies more than this many tokens at once
     max_verify_tokens: Optional[int] = None
-    #: verify passes (up to max_verify_tokens wide) equal one-token steps row for row; the engine
-    #: refuses a drafter where this is False, giving `inexact_reason` (see backends/llama_cpp.py,
-    #: where it is measured; here it holds by construction: tests/test_equivalence.py)
+    #: the engine refuses a drafter where this is False, giving `inexact_reason`. On llama.cpp it is
+    #: measured: verify rows there must equal one-token rows bitwise (backends/llama_cpp.py). On
+    #: transformers a row of a k-row pass may differ from a one-token row in the last bits (other
+    #: matmul kernels), as in any speculative decoder built on it: greedy output stays plain's unless
+    #: two logits tie to within that; the tests run float64 targets, where they agree exactly.
     speculation_exact = True
     inexact_reason = ""
+
+    def reserve(self, positions: int) -> None:
+        """A hint at the request's start: the cache will hold up to `positions` positions."""
 
     def check_drafter(self, drafter_name: str, needs_hidden_states: bool) -> None:
         """Refuse, by name, a drafter this backend cannot feed."""
@@ -162,7 +167,13 @@ class Target(TargetBase):
 
     backend = "transformers"
 
-    def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model"):
+    def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model",
+                 kernels: str = "stock", quiet: bool = True):
+        """`kernels`: 'stock' (F.linear everywhere) or 'auto' (on a CPU, each linear layer takes the
+        matmul formulation measured faster on this machine for the pass's row count: kernels.py)."""
+        from . import kernels as kern
+
+        kern.check_kernels(kernels)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -178,16 +189,28 @@ class Target(TargetBase):
         self.forward_passes = 0
         self._fingerprint: Optional[str] = None
         self._cache = new_cache(model.config)
+        self.kernels = kernels
+        self.linear_plan = kern.LinearPlan()
+        if kernels == "auto" and self.device.type == "cpu":
+            self.linear_plan = kern.cached_plan(model, quiet=quiet)
+            kern.install(model, self.linear_plan)
 
     @classmethod
     def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_context: Optional[int] = None, quiet: bool = False) -> "Target":
+             max_context: Optional[int] = None, quiet: bool = False, kernels: str = "auto") -> "Target":
+        from .kernels import check_kernels
+
+        check_kernels(kernels)
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
-        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL)
+        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL, kernels=kernels, quiet=quiet)
 
     # --- cache -------------------------------------------------------------------------
     def reset(self) -> None:
         self._cache = new_cache(self.model.config)
+
+    def reserve(self, positions: int) -> None:
+        """Preallocate the position-indexed cache layers for the request (none grows mid-request)."""
+        reserve_cache(self._cache, min(int(positions), self.max_context))
 
     @property
     def cache_len(self) -> int:
@@ -230,4 +253,7 @@ class Target(TargetBase):
         if self._fingerprint is None:
             from .costs import model_fingerprint
             self._fingerprint = model_fingerprint(self.model)
+            if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
+                from .costs import cache_key
+                self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
         return self._fingerprint

@@ -38,11 +38,17 @@ def check_backend(name: str) -> None:
         raise DiffspecError(f"unknown backend '{name}' (choose from: {', '.join(BACKENDS)})")
 
 
-def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype, device: str) -> None:
+def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype, device: str,
+                           kernels: str = "auto") -> None:
     """Refuse, before any model loads, settings the named backend would not honour."""
+    from ..kernels import check_kernels
+
     check_backend(backend)
+    check_kernels(kernels)
     if backend != "llama.cpp":
         return
+    if kernels != "auto":
+        raise DiffspecError(f"--kernels {kernels} applies to the transformers backend; llama.cpp runs its own kernels")
     from ..models import gguf_file
     from .llama_cpp import import_llama_cpp
 
@@ -76,14 +82,16 @@ def is_drafting(drafters: Sequence[Optional[str]]) -> bool:
 
 def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.dtype = torch.float32,
                 device: str = "cpu", max_context: Optional[int] = None, quiet: bool = False,
-                drafters: Sequence[Optional[str]] = ("auto",), needs_transformers: bool = False):
+                drafters: Sequence[Optional[str]] = ("auto",), needs_transformers: bool = False,
+                kernels: str = "auto"):
     """Load the target on the chosen backend. For `auto` (see the module docstring): `drafters` are
     the drafter names that will run on it (None or 'none': plain decoding), `needs_transformers` says
-    that something will read its transformers model (bench methods hf-generate, dflash-ref)."""
+    that something will read its transformers model (bench methods hf-generate, dflash-ref).
+    `kernels`: the transformers backend's matmul choice (kernels.py)."""
     from ..target import Target
     from .llama_cpp import LlamaCppTarget
 
-    check_backend_settings(backend, spec, dtype, device)
+    check_backend_settings(backend, spec, dtype, device, kernels)
     chosen = backend
     if backend == "auto":
         chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters, needs_transformers)
@@ -92,7 +100,7 @@ def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.
         if backend != "auto" or auto_keeps(target, drafters, quiet):
             return target
         del target
-    return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet)
+    return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet, kernels=kernels)
 
 
 def auto_keeps(target, drafters: Sequence[Optional[str]], quiet: bool = False) -> bool:

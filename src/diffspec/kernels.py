@@ -1,0 +1,197 @@
+"""Measured matmul formulations for the target's linear layers on a CPU (issue 19).
+
+A verify pass multiplies a few rows (k + 1, k drafted tokens) by every weight matrix. PyTorch's
+`F.linear(x, W)` (x @ W^T) hands MKL a shape it serves badly for 2-12 rows: on a 2-core AVX2 EPYC
+with SmolLM2-135M's weights streaming from memory, 2 rows through the 49152 x 576 output head took
+19.7 ms against 7.7 ms for one row, and `torch.mm(W, x^T)^T`, the same product asked the other way
+round, took 4.9 ms (mlp 1536 x 576: 407 vs 154 us; benchmarks/results/issue19_engine/). Which
+formulation wins, and up to how many rows, depends on the CPU and the shape, so it is measured:
+
+- `measure_plan(model)`: for each distinct weight shape of the model's `nn.Linear` layers and each
+  row count in ROW_BUCKETS, both formulations are timed over that shape's own weights in sequence
+  (so they stream from memory as in a real pass); `mm(W, x^T)` takes the row counts from 2 up to
+  the first bucket where it was not at least 1/MARGIN faster. One row always keeps F.linear. Once
+  per machine x shapes x torch version, cached beside the cost tables.
+- `install(model, plan)`: each linear layer's forward picks the formulation its plan names for the
+  pass's row count (a row count between buckets takes the bucket below; past the last, F.linear).
+
+Numerics: the two formulations are the same dot products summed by another kernel; a row may
+differ in the last bits (as F.linear's own kernels already differ between 1 and k rows). One-row
+passes always keep F.linear, so plain decoding is bitwise transformers' eager forward.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DiffspecError
+
+KERNELS = ("auto", "stock")
+#: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+#: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
+MARGIN = 0.9
+FORMAT = 1
+
+Shape = Tuple[int, int]  # (out_features, in_features)
+
+
+def check_kernels(name: str) -> None:
+    if name not in KERNELS:
+        raise DiffspecError(f"unknown --kernels '{name}' (choose from: {', '.join(KERNELS)})")
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """For each weight shape, the row buckets that take `mm(W, x^T)`; every other row count, F.linear."""
+
+    mm_rows: Dict[Shape, frozenset] = field(default_factory=dict)
+    timings_us: Dict[str, dict] = field(default_factory=dict, compare=False)
+
+    def uses_mm(self, shape: Shape, rows: int) -> bool:
+        buckets = self.mm_rows.get(shape)
+        if not buckets or rows > ROW_BUCKETS[-1]:
+            return False
+        bucket = max(b for b in ROW_BUCKETS if b <= rows)
+        return bucket in buckets
+
+    def describe(self) -> str:
+        if not any(self.mm_rows.values()):
+            return "stock"
+        parts = []
+        for (n, k), rows in sorted(self.mm_rows.items()):
+            if rows:
+                parts.append(f"{n}x{k}: rows {','.join(str(r) for r in sorted(rows))}")
+        return "mm(W,x^T) for " + "; ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "mm_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.mm_rows.items())],
+                "timings_us": self.timings_us}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LinearPlan":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError("not a linear plan")
+        rows = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["mm_rows"]}
+        if any(r not in ROW_BUCKETS[1:] for rs in rows.values() for r in rs):
+            raise ValueError("row bucket out of range")
+        return cls(rows, d.get("timings_us", {}))
+
+
+def linear_groups(model: torch.nn.Module) -> Dict[Shape, list]:
+    groups: Dict[Shape, list] = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            groups.setdefault(tuple(mod.weight.shape), []).append(mod)
+    return groups
+
+
+def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed as mm(W, x^T)^T (contiguous, x's leading shape)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.mm(weight, rows.t()).t().contiguous()
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
+    """Time F.linear against mm(W, x^T) for every weight shape and row bucket (see the module docstring)."""
+    mm_rows, timings = {}, {}
+    for shape, mods in linear_groups(model).items():
+        weights = [m.weight for m in mods]
+        chosen, rows_t, winning = set(), {}, True
+        for rows in ROW_BUCKETS[1:]:  # one row keeps F.linear: plain decoding stays transformers' own
+            x = torch.randn(rows, shape[1], dtype=weights[0].dtype, device=weights[0].device)
+
+            def stock():
+                for w in weights:
+                    F.linear(x, w)
+
+            def flipped():
+                for w in weights:
+                    torch.mm(w, x.t())
+
+            t_stock, t_mm = _time(stock, reps), _time(flipped, reps)
+            rows_t[rows] = [round(t_stock / len(weights) * 1e6, 1), round(t_mm / len(weights) * 1e6, 1)]
+            winning = winning and t_mm < MARGIN * t_stock  # from 2 rows up to the first bucket it does not win
+            if winning:
+                chosen.add(rows)
+            elif rows >= 8:
+                break  # the formulations converge as rows grow: stop timing
+        mm_rows[shape] = frozenset(chosen)
+        timings[f"{shape[0]}x{shape[1]}"] = rows_t
+    return LinearPlan(mm_rows, timings)
+
+
+def plan_path(model: torch.nn.Module):
+    from .costs import cache_key, cost_dir, machine_key
+
+    p = next(model.parameters())
+    shapes = sorted((list(s), len(m)) for s, m in linear_groups(model).items())
+    key = cache_key("linear-plan", FORMAT, machine_key(p.device), str(p.dtype), shapes, ROW_BUCKETS, MARGIN)
+    return cost_dir() / f"linear-plan-{key}.json"
+
+
+def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
+    """The plan for this machine and model's shapes: read from the cost cache, or measured (seconds)."""
+    from .output import try_write_cache
+
+    where = plan_path(model)
+    try:
+        return LinearPlan.from_json(json.loads(where.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not quiet:
+        print("diffspec: timing two matmul formulations for the target's layers on this machine (once; cached)",
+              file=sys.stderr, flush=True)
+    plan = measure_plan(model)
+    try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
+    return plan
+
+
+def install(model: torch.nn.Module, plan: LinearPlan) -> int:
+    """Route each linear layer's forward through `plan`; returns how many layers may take mm(W, x^T)."""
+    routed = 0
+    for shape, mods in linear_groups(model).items():
+        if not plan.mm_rows.get(shape):
+            continue
+        for mod in mods:
+            mod.forward = _routed_forward(mod, shape, plan)
+            routed += 1
+    return routed
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    for mods in linear_groups(model).values():
+        for mod in mods:
+            mod.__dict__.pop("forward", None)
+
+
+def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
+    mm_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_mm(shape, r))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] in mm_for:
+            return mm_linear(x, mod.weight, mod.bias)
+        return F.linear(x, mod.weight, mod.bias)
+
+    return forward

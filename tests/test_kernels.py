@@ -1,0 +1,163 @@
+"""The engine's own speed work (issue 19): the measured matmul formulation per row count
+(kernels.py) and the position-indexed KV cache (cache.PositionalLayer). Both must leave every
+output as it was: the same logits to rounding, greedy speculative output equal to plain, rollback
+exact, plain decoding untouched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from diffspec import kernels as K
+from diffspec.cache import PositionalLayer, new_cache, reserve_cache, truncate_cache
+from diffspec.engine import SpeculativeEngine
+from diffspec.errors import DiffspecError
+from diffspec.policies import make_policy
+from diffspec.target import Target
+
+from conftest import make_model
+from helpers import RandomDrafter, ScriptedDrafter
+
+
+def every_bucket(model) -> K.LinearPlan:
+    """A plan that routes every row count from 2 up through mm(W, x^T), whatever the timings."""
+    return K.LinearPlan({shape: frozenset(K.ROW_BUCKETS[1:]) for shape in K.linear_groups(model)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mm_formulation_computes_linear(dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 40, bias=True).to(dtype)
+    for shape in ((3, 24), (1, 5, 24), (2, 3, 24)):
+        x = torch.randn(*shape, dtype=dtype)
+        got, want = K.mm_linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want)
+    x = torch.randn(4, 24, dtype=dtype)
+    torch.testing.assert_close(K.mm_linear(x, lin.weight, None), F.linear(x, lin.weight))
+
+
+def test_plan_buckets_json_and_validation():
+    plan = K.LinearPlan({(8, 4): frozenset({2, 3, 4, 5, 6, 8})})
+    assert [r for r in range(1, 70) if plan.uses_mm((8, 4), r)] == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert not plan.uses_mm((4, 8), 2)  # another shape: stock
+    again = K.LinearPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan and "8x4: rows 2,3,4,5,6,8" in again.describe()
+    assert K.LinearPlan().describe() == "stock"
+    for bad in ({"format": 99, "mm_rows": []}, {"format": K.FORMAT, "mm_rows": [[8, 4, [1]]]},
+                {"format": K.FORMAT, "mm_rows": [[8, 4, [7]]]}, [1]):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            K.LinearPlan.from_json(bad)
+    with pytest.raises(DiffspecError, match="unknown --kernels 'fast'"):
+        K.check_kernels("fast")
+
+
+def test_measured_plan_covers_every_shape_never_one_row_and_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    model = make_model(70, dtype=torch.float32, hidden=64)
+    plan = K.cached_plan(model, quiet=True)
+    shapes = set(K.linear_groups(model))
+    assert set(plan.mm_rows) == shapes and set(plan.timings_us) == {f"{n}x{k}" for n, k in shapes}
+    for rows in plan.mm_rows.values():
+        assert 1 not in rows
+        # a prefix of the buckets from 2: nothing is routed past a bucket where mm did not win
+        assert sorted(rows) == list(K.ROW_BUCKETS[1:1 + len(rows)])
+    assert len(list(tmp_path.glob("linear-plan-*.json"))) == 1
+    monkeypatch.setattr(K, "measure_plan", lambda *a, **k: pytest.fail("measured twice"))
+    assert K.cached_plan(model, quiet=True) == plan
+
+
+def test_routed_layers_give_the_same_logits_and_one_row_stays_stock():
+    model = make_model(70, dtype=torch.float32)
+    ids = torch.randint(0, 70, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = model(ids).logits
+    calls = []
+    original = K.mm_linear
+    K.install(model, every_bucket(model))
+    try:
+        K.mm_linear = lambda *a: calls.append(1) or original(*a)
+        got = model(ids).logits
+        assert calls, "the routed path was not taken"
+        torch.testing.assert_close(got, want)
+        calls.clear()
+        one = model(ids[:, :1]).logits
+        assert not calls and torch.equal(one, model.__class__.forward(model, ids[:, :1]).logits)
+    finally:
+        K.mm_linear = original
+        K.uninstall(model)
+    assert all("forward" not in m.__dict__ for ms in K.linear_groups(model).values() for m in ms)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_speculation_with_routed_kernels_equals_plain(gamma):
+    """Every verify width the routed formulation serves, accepted and rejected drafts alike."""
+    tok_ids = list(range(5, 17))
+    plain_target = Target(make_model(70, seed=3))
+    plain = SpeculativeEngine(plain_target, None).generate(tok_ids, max_new_tokens=40, stop_token_ids=[]).token_ids
+    routed = Target(make_model(70, seed=3))
+    K.install(routed.model, every_bucket(routed.model))
+    for drafter in (ScriptedDrafter(tok_ids + plain), RandomDrafter(70, seed=4)):
+        engine = SpeculativeEngine(routed, drafter, make_policy("fixed", gamma=gamma))
+        assert engine.generate(tok_ids, max_new_tokens=40, stop_token_ids=[]).token_ids == plain
+
+
+def test_target_fingerprint_changes_with_the_plan(monkeypatch):
+    model = make_model(70, dtype=torch.float32)
+    stock = Target(model).fingerprint
+    monkeypatch.setattr(K, "cached_plan", lambda m, quiet=True: every_bucket(m))
+    routed = Target(make_model(70, dtype=torch.float32), kernels="auto")
+    assert routed.fingerprint != stock and routed.linear_plan == every_bucket(model)
+    assert Target(make_model(70, dtype=torch.float32)).fingerprint == stock
+
+
+def test_kernels_flag_refused_where_it_cannot_apply():
+    from diffspec.backends import check_backend_settings
+
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(DiffspecError, match="--kernels stock applies to the transformers backend"):
+        check_backend_settings("llama.cpp", None, torch.float32, "cpu", "stock")
+    proc = subprocess.run([sys.executable, "-m", "diffspec", "generate", "hi", "--kernels", "fast"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--kernels: invalid choice: 'fast'" in proc.stderr
+
+
+# --- the position-indexed cache --------------------------------------------------------------
+def test_positional_cache_rolls_back_and_grows_like_the_dynamic_one():
+    """Passes of several widths with rollbacks between them, past the preallocated capacity: the
+    logits equal those of transformers' concatenating cache."""
+    model = make_model(70, seed=5)
+    ids = torch.randint(0, 70, (80,), generator=torch.Generator().manual_seed(2))
+    positional, dynamic = new_cache(model.config, capacity=4), DynamicCache(config=model.config)
+    assert all(isinstance(layer, PositionalLayer) for layer in positional.layers)
+    length = 0
+    plan = [(7, 7), (3, 8), (5, 10), (1, 9), (12, 20), (2, 2), (30, 31), (4, 33)]  # (width, keep after)
+    for width, keep in plan:
+        outs = []
+        for cache in (positional, dynamic):
+            truncate_cache(cache, length)
+            outs.append(model(ids[length:length + width][None], past_key_values=cache, use_cache=True).logits)
+        assert torch.equal(outs[0], outs[1])
+        assert positional.get_seq_length() == dynamic.get_seq_length() == length + width
+        length = keep
+    assert positional.layers[0].capacity >= 33 and positional.layers[0].keys.shape[-2] == 35
+
+
+def test_reserve_preallocates_and_keeps_what_is_held():
+    model = make_model(70, seed=6)
+    cache = new_cache(model.config, capacity=2)
+    ids = torch.arange(5, 11)[None]
+    model(ids, past_key_values=cache, use_cache=True)
+    held = cache.layers[0].keys.clone()
+    reserve_cache(cache, 100)
+    assert cache.layers[0].capacity == 100 and torch.equal(cache.layers[0].keys, held)
+    buffer = cache.layers[0]._keys
+    model(torch.arange(11, 60)[None], past_key_values=cache, use_cache=True)
+    assert cache.layers[0]._keys is buffer  # no reallocation within the reserve
+    with pytest.raises(ValueError, match="non-positive"):
+        cache.layers[0].crop(3)
