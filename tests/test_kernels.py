@@ -161,3 +161,102 @@ def test_reserve_preallocates_and_keeps_what_is_held():
     assert cache.layers[0]._keys is buffer  # no reallocation within the reserve
     with pytest.raises(ValueError, match="non-positive"):
         cache.layers[0].crop(3)
+
+
+# --- only the logits that are read --------------------------------------------------------------
+def test_logits_of_rows_equal_the_full_rows_with_and_without_logits_to_keep():
+    from diffspec.drafters.denoising import logits_of_rows
+
+    model = make_model(70, seed=7)
+    ids = torch.randint(0, 70, (1, 12), generator=torch.Generator().manual_seed(3))
+    full = model(input_ids=ids).logits[0]
+    for rows in ([0], [3, 4, 9], list(range(12))):
+        torch.testing.assert_close(logits_of_rows(model, rows, input_ids=ids), full[rows])
+    torch.testing.assert_close(logits_of_rows(model, 1, input_ids=ids), full[-1:])
+
+    class NoKeep(torch.nn.Module):  # a model whose forward has no logits_to_keep: all rows, then picked
+        def forward(self, input_ids):
+            return model(input_ids=input_ids)
+
+    assert torch.equal(logits_of_rows(NoKeep(), [2, 5], input_ids=ids), model(input_ids=ids).logits[0][[2, 5]])
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_block_drafter_drafts_as_if_every_row_were_computed(shift, monkeypatch):
+    """The block-diffusion drafter asks for the rows it reads (1 per commit, the masked ones per step);
+    its drafts equal those drawn from full logits, and it runs no more passes."""
+    from diffspec.drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
+    from diffspec.types import SamplingParams
+
+    def drafts(all_rows: bool):
+        torch.manual_seed(0)
+        drafter = BlockDiffusionDrafter(make_model(71, seed=8), BlockDiffusionConfig(
+            block_size=4, sub_block_size=2, mask_token_id=70, unmask_threshold=0.0, logit_shift=shift))
+        target = Target(make_model(70, seed=9))
+        engine = SpeculativeEngine(target, drafter, make_policy("fixed", gamma=5))
+        if all_rows:
+            def every_row(model, rows, **inputs):
+                full = model(**inputs).logits[0]
+                return full[-rows:] if isinstance(rows, int) else full[rows]
+            monkeypatch.setattr("diffspec.drafters.block_diffusion.logits_of_rows", every_row)
+        try:
+            r = engine.generate(list(range(5, 15)), max_new_tokens=24, stop_token_ids=[], sampling=SamplingParams())
+        finally:
+            monkeypatch.undo()
+        return r.token_ids, [(s.drafted, s.accepted) for s in r.rounds], sum(s.drafter_forward_passes for s in r.rounds)
+
+    rows_read, every = drafts(False), drafts(True)
+    assert rows_read[:2] == every[:2] and rows_read[2] <= every[2]
+
+
+# --- incremental detokenisation -------------------------------------------------------------------
+def _stream_text(tokenizer, ids, chunks, clean=True):
+    from diffspec.engine import IncrementalText
+
+    seen = []
+
+    def decode(part):
+        seen.append(len(part))
+        return tokenizer.decode(list(part), skip_special_tokens=True)
+
+    text, released, at = IncrementalText(decode), "", 0
+    for n in chunks:
+        at = min(len(ids), at + n)
+        delta = text.advance(ids[:at], final=at == len(ids))
+        assert not clean or "\ufffd" not in delta  # never half a character
+        released += delta
+    return released, max(seen)
+
+
+@pytest.mark.slow
+def test_incremental_text_equals_decoding_everything_on_the_real_tokenizer():
+    """SmolLM2's byte-level BPE: accents, CJK, emoji split over byte tokens, code with spaces and
+    newlines, in rounds of 1-7 tokens: the released text is the full decoding, and no call decodes
+    more than twice the window and one round."""
+    import random
+
+    from diffspec.engine import IncrementalText
+    from diffspec.models import gguf_file, gguf_text_side
+
+    tok, _ = gguf_text_side(gguf_file(None), quiet=True)
+    text = ("Café naïve — 東京は晴れ 🌤️🚀 def f(x):\n    return x  **  2  # ok\n\n\tEnd. " * 6)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    for _ in range(5):
+        chunks = [rng.randint(1, 7) for _ in range(len(ids))]
+        released, widest = _stream_text(tok, ids, chunks)
+        assert released == tok.decode(ids, skip_special_tokens=True)
+        assert widest <= 2 * IncrementalText.WINDOW + 7
+    noise = [rng.randrange(tok.vocab_size) for _ in range(300)]  # broken byte sequences too
+    released, _ = _stream_text(tok, noise, [3] * 100, clean=False)
+    assert released == tok.decode(noise, skip_special_tokens=True)
+
+
+def test_incremental_text_on_a_tokenizer_that_joins_with_spaces():
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    ids = tok("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13", add_special_tokens=False)["input_ids"]
+    for chunk in (1, 2, 5):
+        released, widest = _stream_text(tok, ids, [chunk] * len(ids))
+        assert released == tok.decode(ids, skip_special_tokens=True) == "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"

@@ -184,11 +184,49 @@ class SpeculativeEngine:
         return ids
 
 
+class IncrementalText:
+    """Text deltas of a growing token list, decoding a window of the last tokens a round rather than
+    every token (which is O(N) a round, O(N^2) over a request).
+
+    The window's decoded text is released up to its last complete character: a character split over
+    byte tokens (U+FFFD at the end) waits for the token that completes it, and everything before it
+    goes out at once. The window slides forward to keep WINDOW tokens of context (tokenizers whose
+    text for a token depends on its left neighbour: a joining space, a merged byte sequence) only
+    where the shorter window decodes to the end of what was released; otherwise it waits a round.
+    GenerationStream reconciles with one decoding of every token at the end, so the final text is
+    always exactly the tokenizer's."""
+
+    WINDOW = 6
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.start = 0       # first token of the window
+        self.released = ""   # the window's text released so far
+
+    def _text(self, ids: Sequence[int], final: bool) -> str:
+        text = self.decode(ids)
+        return text if final else text.rstrip("\ufffd")
+
+    def advance(self, ids: Sequence[int], final: bool = False) -> str:
+        text = self._text(ids[self.start:], final)
+        if not text.startswith(self.released):
+            return ""  # a new token changed the window's released text: wait (the end reconciles)
+        delta, self.released = text[len(self.released):], text
+        if len(ids) - self.start > 2 * self.WINDOW:
+            for start in range(len(ids) - self.WINDOW, len(ids) - self.WINDOW - 4, -1):  # a start on a character
+                tail = self._text(ids[start:], final)
+                if tail and not tail.startswith("\ufffd") and text.endswith(tail):
+                    self.start, self.released = start, tail
+                    break
+        return delta
+
+
 class GenerationStream:
     """Iterate for text deltas as rounds are accepted; `result` holds the GenerationResult at the end.
 
-    Text is released only when it decodes cleanly (no half of a multi-byte character). Closing
-    the stream early (`close()`, or dropping it) stops generation at the next round.
+    Text is released only when it decodes cleanly (no half of a multi-byte character), decoded
+    incrementally (IncrementalText). Closing the stream early (`close()`, or dropping it) stops
+    generation at the next round.
     """
 
     def __init__(self, engine: SpeculativeEngine, prompt_ids: list, rounds: Iterator):
@@ -207,16 +245,23 @@ class GenerationStream:
         target = self._engine.target
         self._t_start = time.perf_counter()
         self._prefill = next(self._rounds)
+        text = IncrementalText(target.decode) if target.tokenizer is not None else None
         for emitted, stats, finish in self._rounds:
             self.token_ids.extend(emitted)
             self.round_stats.append(stats)
             self._finish_reason = finish or self._finish_reason
-            if target.tokenizer is not None:
-                text = target.decode(self.token_ids)
-                if not text.endswith("\ufffd") or finish:
-                    delta, self.text = text[len(self.text):], text
-                    if delta:
-                        yield delta
+            if text is not None:
+                delta = text.advance(self.token_ids, final=finish is not None)
+                if delta:
+                    self.text += delta
+                    yield delta
+        if text is not None:  # one full decoding at the end: the text is exactly the tokenizer's
+            full = target.decode(self.token_ids)
+            if full != self.text:
+                rest = full[len(self.text):] if full.startswith(self.text) else ""
+                self.text = full
+                if rest:
+                    yield rest
         self._finish()
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from .dtype_choice import ChoosesDtype, median_ms
-from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, select_unmask
+from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, logits_of_rows, select_unmask
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,10 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         super().attach(target)
         self.vocab_size = target.vocab_size
         self._settle_dtype()
+        if getattr(target, "kernels", "stock") == "auto" and self.device.type == "cpu":
+            from .. import kernels
+
+            kernels.install(self.model, kernels.cached_plan(self.model, quiet=True))  # its own shapes and dtype
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         if dtype is not None:
@@ -90,7 +94,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         B, mask = self.config.block_size, self.config.mask_token_id
         self.begin(None)
         self._commit([mask] * max(B, context_len // B * B))
-        ms = median_ms(lambda: self._block_logits([mask] * B), self.device, repeats)
+        ms = median_ms(lambda: self._block_logits([mask] * B, range(1, B)), self.device, repeats)
         self.begin(None)
         return ms
 
@@ -102,16 +106,20 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
 
     # --- model calls ---------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, tokens: list, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: list, mask: torch.Tensor, rows) -> torch.Tensor:
+        """One pass; logits only for `rows` (a list of row indices, or an int n: the last n rows).
+        The output head is most of this drafter's cost: the rows nobody reads are not computed."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         self._passes += 1
-        logits = self.model(input_ids=ids, attention_mask=mask, past_key_values=self._cache, use_cache=True).logits[0]
+        logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+                                use_cache=True)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 
     def _commit(self, tokens: list) -> None:
-        """Append whole blocks to the cache (block-causal among themselves)."""
+        """Append whole blocks to the cache (block-causal among themselves); only the last row's
+        logits are computed (they predict the next block's first token)."""
         past = len(self._cached_ids)
-        logits = self._forward(tokens, block_causal_mask(len(tokens), past, self.config.block_size, self.device))
+        logits = self._forward(tokens, block_causal_mask(len(tokens), past, self.config.block_size, self.device), 1)
         self._cached_ids.extend(tokens)
         self._boundary_logits = logits[-1]
 
@@ -135,12 +143,28 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
             self._commit(context[len(self._cached_ids): full])
         return len(self._cached_ids)
 
-    def _block_logits(self, block: list) -> torch.Tensor:
-        """One denoising step: the active block on the cache, which is left unchanged. -> [B, V]."""
-        past = len(self._cached_ids)
-        logits = self._forward(block, full_mask(len(block), past + len(block), self.device))
-        truncate_cache(self._cache, past)
-        return logits
+    def _block_logits(self, block: list, positions) -> torch.Tensor:
+        """One denoising step: the active block on the cache, which is left unchanged. -> [len(positions), V],
+        the prediction rows of those block positions. With shifted logits position 0's row is the last
+        block's boundary row, so a step that needs only it runs no pass."""
+        rows = [self._row_of(i) for i in positions]
+        computed = sorted({r for r in rows if r >= 0})
+        logits = None
+        if computed:
+            past = len(self._cached_ids)
+            logits = self._forward(block, full_mask(len(block), past + len(block), self.device), computed)
+            truncate_cache(self._cache, past)
+        where = {r: j for j, r in enumerate(computed)}
+        return torch.stack([logits[where[r]] if r >= 0 else self._boundary() for r in rows])
+
+    def _row_of(self, i: int) -> int:
+        """The block row whose logits predict block position i (-1: the previous block's boundary row)."""
+        return i - 1 if self.config.logit_shift else i
+
+    def _boundary(self) -> torch.Tensor:
+        if self._boundary_logits is None:
+            raise RuntimeError("shifted logits need the previous block's last logits")
+        return self._boundary_logits
 
     # --- drafting ------------------------------------------------------------------------
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
@@ -162,9 +186,8 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
                     continue
                 stop = min((cursor // b + 1) * b, cursor + goal - len(builder))  # sub-block end, capped by the window
                 masked = [i for i in range(cursor, stop) if block[i] == MASK]
-                logits = self._block_logits(block)
                 step += 1
-                drawn = draw_tokens(torch.stack([self._prediction_row(logits, i) for i in masked]), sampling, generator)
+                drawn = draw_tokens(self._block_logits(block, masked), sampling, generator)
                 # unmasking is decided on the max probability, never on the drawn token: no selection bias
                 conf, tokens, q = drawn.max_prob, drawn.tokens, drawn.q
                 for j in select_unmask(conf, cfg.unmask_threshold).tolist():
@@ -177,16 +200,6 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
                     cursor += 1
         draft = builder.build(self._passes, context.device)
         return judge_out_of_order_one_hot(draft, steps)  # per position: see denoising.py
-
-    def _prediction_row(self, logits: torch.Tensor, i: int) -> torch.Tensor:
-        """The logits row that predicts block position i."""
-        if not self.config.logit_shift:
-            return logits[i]
-        if i > 0:
-            return logits[i - 1]
-        if self._boundary_logits is None:
-            raise RuntimeError("shifted logits need the previous block's last logits")
-        return self._boundary_logits
 
     def describe(self) -> str:
         c = self.config

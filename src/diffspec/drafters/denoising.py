@@ -48,6 +48,31 @@ import torch
 from ..types import Draft
 
 
+def logits_of_rows(model, rows, **inputs) -> torch.Tensor:
+    """model(**inputs).logits[0] for `rows` only (a list of row indices, or an int n: the last n).
+    A model that takes `logits_to_keep` (every transformers causal LM) applies its output head to those
+    rows alone; any other model computes them all and they are picked."""
+    import inspect
+
+    device = inputs["input_ids"].device
+    keep = rows if isinstance(rows, int) else torch.tensor(rows, dtype=torch.long, device=device)
+    takes = getattr(model, "_diffspec_takes_logits_to_keep", None)
+    if takes is None:
+        try:
+            params = inspect.signature(model.forward).parameters
+            takes = "logits_to_keep" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            takes = False
+        try:
+            model._diffspec_takes_logits_to_keep = takes
+        except AttributeError:
+            pass
+    if takes:
+        return model(**inputs, logits_to_keep=keep).logits[0]
+    logits = model(**inputs).logits[0]
+    return logits[-rows:] if isinstance(rows, int) else logits[keep]
+
+
 def block_causal_mask(q_len: int, past_len: int, block_size: int, device=None) -> torch.Tensor:
     """[1, 1, q_len, past_len + q_len] bool, True = may attend.
 

@@ -23,7 +23,7 @@ import torch
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
-from .denoising import full_mask, judge_out_of_order_one_hot, select_top
+from .denoising import full_mask, judge_out_of_order_one_hot, logits_of_rows, select_top
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,13 @@ class MaskedDiffusionDrafter(Drafter):
         self.vocab_size = target.vocab_size
 
     @torch.inference_mode()
-    def _logits(self, seq: list, first_position: int) -> torch.Tensor:
+    def _logits(self, seq: list, first_position: int, rows: list) -> torch.Tensor:
+        """One pass over `seq`; logits only for `rows` (the prediction rows of masked positions):
+        the output head is not applied to the context rows nobody reads."""
         ids = torch.tensor([seq], dtype=torch.long, device=self.device)
         pos = torch.arange(first_position, first_position + len(seq), device=self.device).unsqueeze(0)
-        logits = self.model(input_ids=ids, attention_mask=full_mask(len(seq), len(seq), self.device),
-                            position_ids=pos, use_cache=False).logits[0]
+        mask = full_mask(len(seq), len(seq), self.device)
+        logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
@@ -78,11 +80,10 @@ class MaskedDiffusionDrafter(Drafter):
             per_step = math.ceil(k / cfg.steps)
             found: dict = {}
             while len(found) < k:
-                logits = self._logits(seq, first)
+                masked = [i for i in range(n_ctx + lo, n_ctx + lo + k) if seq[i] == MASK]
+                rows = self._logits(seq, first, [i - 1 if cfg.logit_shift else i for i in masked])
                 passes += 1
                 step += 1
-                masked = [i for i in range(n_ctx + lo, n_ctx + lo + k) if seq[i] == MASK]
-                rows = torch.stack([logits[i - 1] if cfg.logit_shift else logits[i] for i in masked])
                 drawn = draw_tokens(rows, sampling, generator)
                 conf, tokens, q = drawn.max_prob, drawn.tokens, drawn.q
                 for j in select_top(conf, per_step).tolist():
