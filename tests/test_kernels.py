@@ -25,16 +25,17 @@ from conftest import make_model
 from helpers import RandomDrafter, ScriptedDrafter
 
 
-def every_bucket(model) -> K.LinearPlan:
-    """A plan that routes every row count from 2 up through mm(W, x^T), whatever the timings."""
-    return K.LinearPlan({shape: frozenset(K.ROW_BUCKETS[1:]) for shape in K.linear_groups(model)})
+def every_bucket(model, one_row: bool = False) -> K.LinearPlan:
+    """A plan that routes every row count from 2 (or 1) up through mm(W, x^T), whatever the timings."""
+    buckets = K.ROW_BUCKETS if one_row else K.ROW_BUCKETS[1:]
+    return K.LinearPlan({shape: frozenset(buckets) for shape in K.linear_groups(model)})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_mm_formulation_computes_linear(dtype):
     torch.manual_seed(0)
     lin = torch.nn.Linear(24, 40, bias=True).to(dtype)
-    for shape in ((3, 24), (1, 5, 24), (2, 3, 24)):
+    for shape in ((3, 24), (1, 5, 24), (2, 3, 24), (1, 24), (1, 1, 24)):
         x = torch.randn(*shape, dtype=dtype)
         got, want = K.mm_linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias)
         assert got.shape == want.shape and got.is_contiguous()
@@ -50,7 +51,11 @@ def test_plan_buckets_json_and_validation():
     again = K.LinearPlan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again == plan and "8x4: rows 2,3,4,5,6,8" in again.describe()
     assert K.LinearPlan().describe() == "stock"
-    for bad in ({"format": 99, "mm_rows": []}, {"format": K.FORMAT, "mm_rows": [[8, 4, [1]]]},
+    one = K.LinearPlan({(8, 4): frozenset({1, 2, 3})})
+    assert one.one_row and one.uses_mm((8, 4), 1) and not plan.one_row
+    assert one.multi_row_only() == K.LinearPlan({(8, 4): frozenset({2, 3})})
+    assert K.LinearPlan.from_json(json.loads(json.dumps(one.to_json()))) == one
+    for bad in ({"format": 99, "mm_rows": []}, {"format": K.FORMAT, "mm_rows": [[8, 4, [0]]]},
                 {"format": K.FORMAT, "mm_rows": [[8, 4, [7]]]}, [1]):
         with pytest.raises((ValueError, KeyError, TypeError)):
             K.LinearPlan.from_json(bad)
@@ -58,19 +63,24 @@ def test_plan_buckets_json_and_validation():
         K.check_kernels("fast")
 
 
-def test_measured_plan_covers_every_shape_never_one_row_and_is_cached(monkeypatch, tmp_path):
+def test_measured_plan_covers_every_shape_and_is_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
     model = make_model(70, dtype=torch.float32, hidden=64)
     plan = K.cached_plan(model, quiet=True)
     shapes = set(K.linear_groups(model))
     assert set(plan.mm_rows) == shapes and set(plan.timings_us) == {f"{n}x{k}" for n, k in shapes}
-    for rows in plan.mm_rows.values():
-        assert 1 not in rows
-        # a prefix of the buckets from 2: nothing is routed past a bucket where mm did not win
-        assert sorted(rows) == list(K.ROW_BUCKETS[1:1 + len(rows)])
+    for shape, rows in plan.mm_rows.items():
+        timed = plan.timings_us[f"{shape[0]}x{shape[1]}"]
+        assert 1 in timed  # one row is timed too, and decided on its own timing
+        assert (1 in rows) == (timed[1][1] < K.MARGIN * timed[1][0])
+        # from 2 rows, a prefix of the buckets: nothing is routed past a bucket where mm did not win
+        multi = sorted(rows - {1})
+        assert multi == list(K.ROW_BUCKETS[1:1 + len(multi)])
     assert len(list(tmp_path.glob("linear-plan-*.json"))) == 1
     monkeypatch.setattr(K, "measure_plan", lambda *a, **k: pytest.fail("measured twice"))
     assert K.cached_plan(model, quiet=True) == plan
+    assert K.plan_for_mode(model, "auto") == plan and K.plan_for_mode(model, "stock") == K.LinearPlan()
+    assert K.plan_for_mode(model, "multi-row") == plan.multi_row_only()
 
 
 def test_routed_layers_give_the_same_logits_and_one_row_stays_stock():
@@ -94,6 +104,47 @@ def test_routed_layers_give_the_same_logits_and_one_row_stays_stock():
     assert all("forward" not in m.__dict__ for ms in K.linear_groups(model).values() for m in ms)
 
 
+def test_one_row_routing_is_the_two_row_kernel_and_stock_kernels_undo_it():
+    """auto's one-row formulation: the padded mm. Its logits are close to F.linear's and its rows equal
+    those of 2- and 3-row passes bitwise (MKL's GEMM kernel computes each column alike there);
+    `stock_kernels` runs F.linear inside the block and puts the routing back."""
+    torch.manual_seed(0)
+    for n, k in ((300, 64), (64, 200)):
+        w, x = torch.randn(n, k), torch.randn(3, k)
+        one = K.mm_linear(x[:1], w, None)
+        torch.testing.assert_close(one, F.linear(x[:1], w))
+        for rows in (2, 3):
+            assert torch.equal(one[0], K.mm_linear(x[:rows], w, None)[0])
+    model = make_model(70, dtype=torch.float32)
+    ids = torch.randint(0, 70, (1, 1), generator=torch.Generator().manual_seed(1))
+    stock = model(ids).logits
+    K.install(model, every_bucket(model, one_row=True))
+    calls, original = [], K.mm_linear
+    try:
+        K.mm_linear = lambda *a: calls.append(1) or original(*a)
+        routed = model(ids).logits
+        assert calls, "the one-row routed path was not taken"
+        torch.testing.assert_close(routed, stock)
+        calls.clear()
+        with K.stock_kernels(model):
+            assert torch.equal(model(ids).logits, stock) and not calls
+        model(ids)
+        assert calls, "the routing was not put back"
+    finally:
+        K.mm_linear = original
+        K.uninstall(model)
+
+
+def test_kernel_modes_install_their_plans(monkeypatch):
+    monkeypatch.setattr(K, "cached_plan", lambda m, quiet=True: every_bucket(m, one_row=True))
+    auto = Target(make_model(70, dtype=torch.float32), kernels="auto")
+    multi = Target(make_model(70, dtype=torch.float32), kernels="multi-row")
+    stock = Target(make_model(70, dtype=torch.float32), kernels="stock")
+    assert auto.linear_plan.one_row and not multi.linear_plan.one_row and multi.linear_plan.mm_rows
+    assert stock.linear_plan == K.LinearPlan()
+    assert len({auto.fingerprint, multi.fingerprint, stock.fingerprint}) == 3  # other kernels, other cost tables
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_greedy_speculation_with_routed_kernels_equals_plain(gamma):
     """Every verify width the routed formulation serves, accepted and rejected drafts alike."""
@@ -101,7 +152,8 @@ def test_greedy_speculation_with_routed_kernels_equals_plain(gamma):
     plain_target = Target(make_model(70, seed=3))
     plain = SpeculativeEngine(plain_target, None).generate(tok_ids, max_new_tokens=40, stop_token_ids=[]).token_ids
     routed = Target(make_model(70, seed=3))
-    K.install(routed.model, every_bucket(routed.model))
+    K.install(routed.model, every_bucket(routed.model, one_row=True))  # plain's own steps routed too
+    assert SpeculativeEngine(routed, None).generate(tok_ids, max_new_tokens=40, stop_token_ids=[]).token_ids == plain
     for drafter in (ScriptedDrafter(tok_ids + plain), RandomDrafter(70, seed=4)):
         engine = SpeculativeEngine(routed, drafter, make_policy("fixed", gamma=gamma))
         assert engine.generate(tok_ids, max_new_tokens=40, stop_token_ids=[]).token_ids == plain
@@ -260,3 +312,19 @@ def test_incremental_text_on_a_tokenizer_that_joins_with_spaces():
     for chunk in (1, 2, 5):
         released, widest = _stream_text(tok, ids, [chunk] * len(ids))
         assert released == tok.decode(ids, skip_special_tokens=True) == "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"
+
+
+def test_hf_generate_method_runs_transformers_own_kernels(monkeypatch):
+    """The bench's `hf-generate` is what users run today: F.linear, not the target's routed kernels,
+    which stay installed for the engine's methods after it."""
+    from diffspec.bench.methods import HFRunner
+    from diffspec.types import SamplingParams
+
+    target = Target(make_model(70, seed=3, dtype=torch.float32))
+    K.install(target.model, every_bucket(target.model, one_row=True))
+    calls, original = [], K.mm_linear
+    monkeypatch.setattr(K, "mm_linear", lambda *a: calls.append(1) or original(*a))
+    outcome = HFRunner(target).run(list(range(5, 15)), 6, SamplingParams())
+    assert len(outcome.token_ids) == 6 and not calls
+    target.forward(torch.tensor([5]))
+    assert calls, "the routing was not put back after hf-generate"

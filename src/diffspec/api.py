@@ -33,7 +33,7 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
     drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py).
-    `kernels`: auto or stock, the transformers backend's matmul choice (kernels.py)."""
+    `kernels`: auto, multi-row or stock, the transformers backend's matmul choice (kernels.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
     check_backend_settings(backend, model, torch_dtype, device, kernels)

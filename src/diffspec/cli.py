@@ -266,10 +266,14 @@ def add_backend_option(parser) -> None:
                              "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
                              "faster and, when drafting, its verify passes measure exact; never for a drafter that "
                              "reads hidden states; measured once per machine, cached)")
-    parser.add_argument("--kernels", default="auto", choices=["auto", "stock"],
+    from .kernels import KERNELS
+
+    parser.add_argument("--kernels", default="auto", choices=list(KERNELS),
                         help="transformers backend on a CPU: auto (default) lets each linear layer take the matmul "
-                             "formulation measured faster on this machine for the pass's row count (once, cached); "
-                             "stock runs F.linear everywhere")
+                             "formulation measured faster on this machine for the pass's row count, one-row steps "
+                             "included (plain decoding may then differ from transformers' eager forward in the last "
+                             "bits; measured once, cached); multi-row does so for passes of 2+ rows only (one-row "
+                             "steps stay transformers' own, bitwise); stock runs F.linear everywhere")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:

@@ -1,23 +1,34 @@
 """Measured matmul formulations for the target's linear layers on a CPU (issue 19).
 
-A verify pass multiplies a few rows (k + 1, k drafted tokens) by every weight matrix. PyTorch's
-`F.linear(x, W)` (x @ W^T) hands MKL a shape it serves badly for 2-12 rows: on a 2-core AVX2 EPYC
-with SmolLM2-135M's weights streaming from memory, 2 rows through the 49152 x 576 output head took
-19.7 ms against 7.7 ms for one row, and `torch.mm(W, x^T)^T`, the same product asked the other way
-round, took 4.9 ms (mlp 1536 x 576: 407 vs 154 us; benchmarks/results/issue19_engine/). Which
-formulation wins, and up to how many rows, depends on the CPU and the shape, so it is measured:
+A decoding step multiplies one row, a verify pass a few (k + 1, k drafted tokens), by every weight
+matrix. PyTorch's `F.linear(x, W)` (x @ W^T) hands MKL shapes it serves badly at these sizes:
+- one row goes to MKL's GEMV, which streams the weights at ~10-11 GB/s on 2 cores where the memory
+  gives ~30 (AVX-512 EPYC: the 49152 x 576 output head 9.9 ms), while the same product asked as a
+  two-column `mm(W, [x; x]^T)` runs MKL's GEMM kernel at near full bandwidth (4.2 ms);
+- 2-12 rows go to a GEMM path that took 19.7 ms for two rows through that head on an AVX2 EPYC
+  (7.7 ms for one), against 4.9 ms as `mm(W, x^T)` (benchmarks/results/issue19_engine/).
+Which formulation wins, and up to how many rows, depends on the CPU and the shape, so it is measured:
 
 - `measure_plan(model)`: for each distinct weight shape of the model's `nn.Linear` layers and each
   row count in ROW_BUCKETS, both formulations are timed over that shape's own weights in sequence
-  (so they stream from memory as in a real pass); `mm(W, x^T)` takes the row counts from 2 up to
-  the first bucket where it was not at least 1/MARGIN faster. One row always keeps F.linear. Once
-  per machine x shapes x torch version, cached beside the cost tables.
+  (so they stream from memory as in a real pass). One row takes the padded `mm` where it was at
+  least 1/MARGIN faster; from 2 rows, `mm(W, x^T)` takes the row counts up to the first bucket where
+  it was not. Once per machine x shapes x dtype x torch version, cached beside the cost tables.
 - `install(model, plan)`: each linear layer's forward picks the formulation its plan names for the
   pass's row count (a row count between buckets takes the bucket below; past the last, F.linear).
 
-Numerics: the two formulations are the same dot products summed by another kernel; a row may
-differ in the last bits (as F.linear's own kernels already differ between 1 and k rows). One-row
-passes always keep F.linear, so plain decoding is bitwise transformers' eager forward.
+The modes (`--kernels`):
+- `auto` (default): the measured plan for every row count, one row included. Plain decoding then
+  runs the padded mm: each logit is the same dot product summed by another kernel, so it may differ
+  from transformers' eager forward in the last bits, and a greedy argmax between two near-tied
+  tokens can flip (the match rate against transformers' `generate` is measured in the README).
+  A one-row pass equals the rows of a 2- and 3-row verify pass bitwise (the same MKL kernel), so
+  plain decoding and short verify passes compute alike.
+- `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear, so
+  plain decoding is bitwise transformers' eager forward.
+- `stock`: F.linear everywhere.
+`stock_kernels(model)` runs a block with F.linear everywhere (the bench's `hf-generate` method: what
+users run today).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -33,12 +45,12 @@ import torch.nn.functional as F
 
 from .errors import DiffspecError
 
-KERNELS = ("auto", "stock")
+KERNELS = ("auto", "multi-row", "stock")
 #: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
 MARGIN = 0.9
-FORMAT = 1
+FORMAT = 2
 
 Shape = Tuple[int, int]  # (out_features, in_features)
 
@@ -50,7 +62,8 @@ def check_kernels(name: str) -> None:
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """For each weight shape, the row buckets that take `mm(W, x^T)`; every other row count, F.linear."""
+    """For each weight shape, the row buckets that take `mm(W, x^T)` (bucket 1: the padded two-column
+    mm); every other row count, F.linear."""
 
     mm_rows: Dict[Shape, frozenset] = field(default_factory=dict)
     timings_us: Dict[str, dict] = field(default_factory=dict, compare=False)
@@ -61,6 +74,15 @@ class LinearPlan:
             return False
         bucket = max(b for b in ROW_BUCKETS if b <= rows)
         return bucket in buckets
+
+    def multi_row_only(self) -> "LinearPlan":
+        """The same plan with one-row passes left to F.linear (`--kernels multi-row`)."""
+        return LinearPlan({shape: rows - {1} for shape, rows in self.mm_rows.items()}, self.timings_us)
+
+    @property
+    def one_row(self) -> bool:
+        """Whether any one-row pass leaves F.linear (plain decoding is then not transformers' own bitwise)."""
+        return any(1 in rows for rows in self.mm_rows.values())
 
     def describe(self) -> str:
         if not any(self.mm_rows.values()):
@@ -80,7 +102,7 @@ class LinearPlan:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError("not a linear plan")
         rows = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["mm_rows"]}
-        if any(r not in ROW_BUCKETS[1:] for rs in rows.values() for r in rs):
+        if any(r not in ROW_BUCKETS for rs in rows.values() for r in rs):
             raise ValueError("row bucket out of range")
         return cls(rows, d.get("timings_us", {}))
 
@@ -94,9 +116,13 @@ def linear_groups(model: torch.nn.Module) -> Dict[Shape, list]:
 
 
 def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed as mm(W, x^T)^T (contiguous, x's leading shape)."""
+    """F.linear(x, weight, bias) computed as mm(W, x^T)^T (contiguous, x's leading shape). One row is
+    asked as two (the row twice): a one-column mm would go to the GEMV kernel that F.linear uses."""
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.mm(weight, rows.t()).t().contiguous()
+    if rows.shape[0] == 1:
+        y = torch.mm(weight, torch.cat((rows, rows)).t())[:, :1].t().contiguous()  # a copy: a stride-0 view takes another MKL path
+    else:
+        y = torch.mm(weight, rows.t()).t().contiguous()
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -119,7 +145,7 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
     for shape, mods in linear_groups(model).items():
         weights = [m.weight for m in mods]
         chosen, rows_t, winning = set(), {}, True
-        for rows in ROW_BUCKETS[1:]:  # one row keeps F.linear: plain decoding stays transformers' own
+        for rows in ROW_BUCKETS:
             x = torch.randn(rows, shape[1], dtype=weights[0].dtype, device=weights[0].device)
 
             def stock():
@@ -128,11 +154,16 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
 
             def flipped():
                 for w in weights:
-                    torch.mm(w, x.t())
+                    mm_linear(x, w, None)
 
             t_stock, t_mm = _time(stock, reps), _time(flipped, reps)
             rows_t[rows] = [round(t_stock / len(weights) * 1e6, 1), round(t_mm / len(weights) * 1e6, 1)]
-            winning = winning and t_mm < MARGIN * t_stock  # from 2 rows up to the first bucket it does not win
+            wins = t_mm < MARGIN * t_stock
+            if rows == 1:  # one row is its own decision (another kernel than the multi-row ones)
+                if wins:
+                    chosen.add(rows)
+                continue
+            winning = winning and wins  # from 2 rows up to the first bucket it does not win
             if winning:
                 chosen.add(rows)
             elif rows >= 8:
@@ -184,6 +215,27 @@ def uninstall(model: torch.nn.Module) -> None:
     for mods in linear_groups(model).values():
         for mod in mods:
             mod.__dict__.pop("forward", None)
+
+
+@contextmanager
+def stock_kernels(model: torch.nn.Module):
+    """Within the block, every linear layer of `model` runs F.linear; the routing is put back after."""
+    routed = {mod: mod.__dict__.pop("forward") for mods in linear_groups(model).values() for mod in mods
+              if "forward" in mod.__dict__}
+    try:
+        yield model
+    finally:
+        for mod, forward in routed.items():
+            mod.forward = forward
+
+
+def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> LinearPlan:
+    """The plan `--kernels mode` installs on a CPU model (measured once per machine, then cached)."""
+    check_kernels(mode)
+    if mode == "stock":
+        return LinearPlan()
+    plan = cached_plan(model, quiet=quiet)
+    return plan if mode == "auto" else plan.multi_row_only()
 
 
 def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):

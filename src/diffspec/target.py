@@ -169,8 +169,9 @@ class Target(TargetBase):
 
     def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model",
                  kernels: str = "stock", quiet: bool = True):
-        """`kernels`: 'stock' (F.linear everywhere) or 'auto' (on a CPU, each linear layer takes the
-        matmul formulation measured faster on this machine for the pass's row count: kernels.py)."""
+        """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
+        the matmul formulation measured faster on this machine for the pass's row count, one row included)
+        or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own)."""
         from . import kernels as kern
 
         kern.check_kernels(kernels)
@@ -191,8 +192,8 @@ class Target(TargetBase):
         self._cache = new_cache(model.config)
         self.kernels = kernels
         self.linear_plan = kern.LinearPlan()
-        if kernels == "auto" and self.device.type == "cpu":
-            self.linear_plan = kern.cached_plan(model, quiet=quiet)
+        if kernels != "stock" and self.device.type == "cpu":
+            self.linear_plan = kern.plan_for_mode(model, kernels, quiet=quiet)
             kern.install(model, self.linear_plan)
 
     @classmethod

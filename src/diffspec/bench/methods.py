@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..devices import synchronize
+from ..kernels import stock_kernels
 from ..errors import DiffspecError
 from ..types import SamplingParams
 
@@ -135,7 +136,7 @@ class HFRunner(Runner):
                 torch.manual_seed(sampling.seed)
             sync(ids.device)
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), stock_kernels(model):  # transformers as users run it
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
             sync(ids.device)
             wall = time.perf_counter() - t0

@@ -73,10 +73,10 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         super().attach(target)
         self.vocab_size = target.vocab_size
         self._settle_dtype()
-        if getattr(target, "kernels", "stock") == "auto" and self.device.type == "cpu":
-            from .. import kernels
+        if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu":
+            from .. import kernels  # its own shapes and dtype; a drafter's numerics never touch the output
 
-            kernels.install(self.model, kernels.cached_plan(self.model, quiet=True))  # its own shapes and dtype
+            kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         if dtype is not None:
