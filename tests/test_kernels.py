@@ -321,7 +321,10 @@ def test_hf_generate_method_runs_transformers_own_kernels(monkeypatch):
     from diffspec.types import SamplingParams
 
     target = Target(make_model(70, seed=3, dtype=torch.float32))
-    K.install(target.model, every_bucket(target.model, one_row=True))
+    assert HFRunner(target).same_model  # stock kernels: judged against plain
+    target.linear_plan = every_bucket(target.model, one_row=True)
+    K.install(target.model, target.linear_plan)
+    assert not HFRunner(target).same_model  # plain's one-row steps run another kernel: compared, not judged
     calls, original = [], K.mm_linear
     monkeypatch.setattr(K, "mm_linear", lambda *a: calls.append(1) or original(*a))
     outcome = HFRunner(target).run(list(range(5, 15)), 6, SamplingParams())

@@ -22,8 +22,8 @@ The modes (`--kernels`):
   runs the padded mm: each logit is the same dot product summed by another kernel, so it may differ
   from transformers' eager forward in the last bits, and a greedy argmax between two near-tied
   tokens can flip (the match rate against transformers' `generate` is measured in the README).
-  A one-row pass equals the rows of a 2- and 3-row verify pass bitwise (the same MKL kernel), so
-  plain decoding and short verify passes compute alike.
+  A linear layer's one-row output equals the rows of its 2- and 3-row outputs bitwise (the same MKL
+  kernel; tested), so plain decoding's matmuls and those of short verify passes compute alike.
 - `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear, so
   plain decoding is bitwise transformers' eager forward.
 - `stock`: F.linear everywhere.

@@ -100,10 +100,16 @@ class EngineRunner(Runner):
 
 
 class HFRunner(Runner):
-    """transformers `model.generate` on the target's model; prompt lookup when lookup_tokens > 0."""
+    """transformers `model.generate` on the target's model, with transformers' own kernels (F.linear: what
+    users run today); prompt lookup when lookup_tokens > 0. Where the target's one-row steps run another
+    matmul kernel (`--kernels auto` on a CPU where it measured faster: kernels.py), plain decoding is
+    another computation of the same model: a near-tie may break differently, so the output is compared
+    with plain's (the match rate), not judged."""
 
     def __init__(self, target, lookup_tokens: int = 0, max_ngram: int = 2):
         self.target = target
+        plan = getattr(target, "linear_plan", None)
+        self.same_model = not (plan is not None and plan.one_row)
         self.lookup_tokens, self.max_ngram = lookup_tokens, max_ngram
         self.weights = "target only" if not lookup_tokens else f"transformers prompt lookup (ngram {max_ngram})"
         self.policy = "-" if not lookup_tokens else f"fixed({lookup_tokens})"

@@ -96,31 +96,6 @@ def quiet_libraries():
         hf_logging.set_verbosity(level)
 
 
-class Progress:
-    """A one-line progress bar on stderr (\\r-rewritten); silent when quiet."""
-
-    def __init__(self, total: int, stream: TextIO, quiet: bool):
-        self.total, self.stream, self.quiet = total, stream, quiet
-        self.done, self.t0 = 0, time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.quiet:
-            return
-        elapsed = time.perf_counter() - self.t0
-        left = elapsed / self.done * (self.total - self.done)
-        width = 24
-        bar = "#" * int(width * self.done / self.total)
-        self.stream.write(f"\r[{bar:<{width}}] {self.done}/{self.total} {elapsed:5.0f}s, ~{left:.0f}s left  "
-                          f"{label[:60]:<60}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if not self.quiet:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
@@ -199,7 +174,10 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
     if out is not None:  # rows are appended as they come, so a killed long run keeps what it measured
         Path(out).mkdir(parents=True, exist_ok=True)
         partial = open(Path(out) / "results.partial.jsonl", "w")
-    progress = Progress(len(prompts) * config.repeats * len(specs), stderr, config.quiet)
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(prompts) * config.repeats * len(specs), file=stderr, disable=config.quiet,
+                    dynamic_ncols=True, unit="run")
     with quiet_libraries():
         for spec in specs:  # warm-up: one short generation per method
             runners[spec.name].run(encoded[0], min(config.warmup_tokens, config.max_new_tokens), sampling)
@@ -208,8 +186,9 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
             outcomes = {}
             for _ in range(config.repeats):
                 for spec in specs:
-                    progress.step(f"{prompt.dataset}/{prompt.prompt_id} {spec.name}")
+                    progress.set_postfix_str(f"{prompt.dataset}/{prompt.prompt_id} {spec.name}"[:60])
                     outcome = runners[spec.name].run(ids, config.max_new_tokens, sampling)
+                    progress.update()
                     times[spec.name].append(outcome.wall_time_s)
                     outcomes.setdefault(spec.name, outcome)
             base = _median(times["plain"])
@@ -226,8 +205,7 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                     mine, theirs = row["token_ids"][i: i + 1], list(plain_ids[i: i + 1])
                     failures.append(f"{spec.name} differs from plain on {prompt.dataset}/{prompt.prompt_id} "
                                     f"at new token {i}: {mine or 'end'} vs plain {theirs or 'end'}")
-                    progress.stream.write("\n" if not config.quiet else "")
-                    print(f"diffspec: LOSSLESS FAILURE: {failures[-1]}", file=stderr, flush=True)
+                    progress.write(f"diffspec: LOSSLESS FAILURE: {failures[-1]}", file=stderr)
     progress.close()
     if partial is not None:
         partial.close()
