@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from conftest import make_model
 from diffspec import Target, costs
@@ -143,6 +144,8 @@ def no_model_loads(monkeypatch):
     (["--drafter", "prompt-lookup+"], "each part of A+B must be a drafter"),
     (["--drafter", "prompt-lookup+none"], "each part of A+B must be a drafter"),
     (["--drafter", "prompt-lookup+./no/such/drafter"], "drafter folder not found"),
+    pytest.param(["--device", "cuda"], "--device cuda asked for, but torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")),
 ])
 def test_cli_refuses_bad_input_before_loading_the_model(no_model_loads, tmp_path, capsys, argv, message):
     (tmp_path / "FILE").write_text("")

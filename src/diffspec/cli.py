@@ -13,7 +13,7 @@
                            (torchrun --nproc-per-node N -m diffspec train-drafter ... runs it data-parallel)
     diffspec eval-drafter DRAFTER [--model M] [--dataset humaneval mtbench champ] [--num-prompts 10]
                           [--max-new-tokens 128] [--block-size B] [--anchors-per-sequence N] [--out DIR] [--json]
-    diffspec profile [--model M] [--drafter D] [--dtype float32] [--drafter-dtype auto] [--max-context N] [--recalibrate]
+    diffspec profile [--model M] [--drafter D] [--dtype float32] [--drafter-dtype auto] [--max-context N] [--device D] [--recalibrate]
                      [--out DIR] [--json]
 
 Bad input prints one line `diffspec: error: ...` and exits with code 2.
@@ -135,6 +135,7 @@ def _add_profile_parser(sub, default_model: str, drafter_names) -> None:
     p.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes "
                                                            "in (default auto, as generate and serve)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     add_backend_option(p)
     p.add_argument("--recalibrate", action="store_true", help="measure again instead of reading the cache (and "
                                                               "replace the cached tables)")

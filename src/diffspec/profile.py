@@ -238,9 +238,14 @@ def profile_command(args) -> int:
     from .devices import parse_dtype
 
     check_profile_args(args.dtype, args.max_context, args.out, args.drafter, args.drafter_dtype)
-    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), "cpu", args.kernels)
-    target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), max_context=args.max_context,
-                         quiet=args.json, drafters=(args.drafter,), kernels=args.kernels)
+    import torch
+
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), device, args.kernels)
+    target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=device,
+                         max_context=args.max_context, quiet=args.json, drafters=(args.drafter,), kernels=args.kernels)
     profile = profile_target(target, args.drafter, recalibrate=args.recalibrate, progress=not args.json,
                              drafter_dtype=args.drafter_dtype)
     if args.out is not None:

