@@ -27,6 +27,11 @@ def smol():
 
 
 def hf_greedy(target, prompt_ids, n):
+    """transformers' generate with its own kernels (F.linear): the new token ids."""
+    return hf_greedy_and_lead(target, prompt_ids, n)[0]
+
+
+def hf_greedy_and_lead(target, prompt_ids, n):
     """transformers' generate with its own kernels: (new token ids, smallest top-1 minus top-2 logit gap)."""
     from diffspec.kernels import stock_kernels
 
@@ -40,7 +45,7 @@ def hf_greedy(target, prompt_ids, n):
 
 @pytest.fixture(scope="module")
 def references(smol):
-    return {prompt: hf_greedy(smol, smol.encode_prompt(prompt), NEW) for prompt in PROMPTS}
+    return {prompt: hf_greedy_and_lead(smol, smol.encode_prompt(prompt), NEW) for prompt in PROMPTS}
 
 
 @pytest.fixture(scope="module")
