@@ -232,6 +232,13 @@ def test_logits_of_rows_equal_the_full_rows_with_and_without_logits_to_keep():
 
     assert torch.equal(logits_of_rows(NoKeep(), [2, 5], input_ids=ids), model(input_ids=ids).logits[0][[2, 5]])
 
+    class IgnoresKeep(torch.nn.Module):  # takes **kwargs, so it accepts logits_to_keep, but computes every row
+        def forward(self, input_ids, **kwargs):
+            return model(input_ids=input_ids)
+
+    assert torch.equal(logits_of_rows(IgnoresKeep(), [2, 5], input_ids=ids), full[[2, 5]])
+    assert torch.equal(logits_of_rows(IgnoresKeep(), 2, input_ids=ids), full[-2:])
+
 
 @pytest.mark.parametrize("shift", [True, False])
 def test_block_drafter_drafts_as_if_every_row_were_computed(shift, monkeypatch):

@@ -49,9 +49,10 @@ from ..types import Draft
 
 
 def logits_of_rows(model, rows, **inputs) -> torch.Tensor:
-    """model(**inputs).logits[0] for `rows` only (a list of row indices, or an int n: the last n).
-    A model that takes `logits_to_keep` (every transformers causal LM) applies its output head to those
-    rows alone; any other model computes them all and they are picked."""
+    """model(**inputs).logits[0] for `rows` only (a list of distinct, increasing row indices, or an int n:
+    the last n). A model that takes `logits_to_keep` (every transformers causal LM) applies its output head
+    to those rows alone; any other model, or one that accepts the argument and computes every row anyway,
+    has its rows picked from the full logits."""
     import inspect
 
     device = inputs["input_ids"].device
@@ -67,9 +68,10 @@ def logits_of_rows(model, rows, **inputs) -> torch.Tensor:
             model._diffspec_takes_logits_to_keep = takes
         except AttributeError:
             pass
-    if takes:
-        return model(**inputs, logits_to_keep=keep).logits[0]
-    logits = model(**inputs).logits[0]
+    logits = (model(**inputs, logits_to_keep=keep) if takes else model(**inputs)).logits[0]
+    wanted = rows if isinstance(rows, int) else len(rows)
+    if logits.shape[0] == wanted:  # the rows asked for (or every row, when that is what was asked)
+        return logits
     return logits[-rows:] if isinstance(rows, int) else logits[keep]
 
 
