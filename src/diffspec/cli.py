@@ -318,8 +318,7 @@ def _train(args) -> int:
 def _make_data(args) -> int:
     import time
 
-    import torch
-
+    from .devices import check_device_available
     from .target import Target
     from .training.data import load_corpus
     from .training.store import StoreSettings, build_store, check_store_folder, parse_batch_size
@@ -332,8 +331,7 @@ def _make_data(args) -> int:
     max_time = parse_duration(args.max_time)
     if max_time is not None and not max_time > 0:
         raise DiffspecError(f"--max-time must be positive, got '{args.max_time}'")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_device_available(args.device)
     check_store_folder(args.out, settings)
     deadline = None if max_time is None else time.time() + max_time
     convs = load_corpus(args.corpus)
@@ -419,7 +417,7 @@ def _bench(args) -> int:
 
     import torch
 
-    from .devices import parse_dtype
+    from .devices import check_device_available, parse_dtype
     from .backends import check_backend_settings, load_target
     from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
     from .bench.methods import method_needs
@@ -439,8 +437,7 @@ def _bench(args) -> int:
                          quiet=args.quiet, command=shlex.join(["diffspec"] + list(sys.argv[1:] if args.argv is None
                                                                                   else args.argv)))
     specs = prepare(config)[1]  # bad methods, parameters or prompt files fail before the model loads
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_device_available(args.device)
     check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device, args.kernels)
     drafters, needs_transformers = method_needs(specs)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,

@@ -22,6 +22,12 @@ def parse_dtype(name: str) -> torch.dtype:
         raise DiffspecError(f"unknown dtype '{name}' (choose from: {', '.join(DTYPES)})") from None
 
 
+def check_device_available(device: str) -> None:
+    """Refuse, by name and before any model loads, a CUDA device this torch cannot see."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+
+
 def synchronize(device) -> None:
     """Wait for queued device work, so a wall-clock reading covers it (no-op on the CPU)."""
     device = torch.device(device)

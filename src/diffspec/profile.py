@@ -235,14 +235,11 @@ def plot_verify_cost(profile: Profile, path) -> Optional[Path]:
 def profile_command(args) -> int:
     """`diffspec profile` (cli.py parses the arguments)."""
     from .backends import check_backend_settings, load_target
-    from .devices import parse_dtype
+    from .devices import check_device_available, parse_dtype
 
     check_profile_args(args.dtype, args.max_context, args.out, args.drafter, args.drafter_dtype)
-    import torch
-
     device = getattr(args, "device", "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_device_available(device)
     check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), device, args.kernels)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=device,
                          max_context=args.max_context, quiet=args.json, drafters=(args.drafter,), kernels=args.kernels)

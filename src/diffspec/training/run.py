@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import save_drafter
+from ..devices import check_device_available
 from ..drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
 from ..drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from ..errors import DiffspecError
@@ -101,8 +102,7 @@ def validate(req: TrainRequest) -> None:
                         ("--epochs", req.epochs)):
         if value is not None and not value > 0:  # 0 would never end: progress is measured against it
             raise DiffspecError(f"{flag} must be positive, got {value!r}")
-    if req.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
+    check_device_available(req.device)
     if req.train_dtype not in ("auto", "float32", "bfloat16"):
         raise DiffspecError(f"unknown --train-dtype '{req.train_dtype}' (choose from: auto, float32, bfloat16)")
     if req.block_size < 2 or req.layers < 1 or req.anchors < 1 or req.batch_sequences < 1:
