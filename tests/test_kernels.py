@@ -31,6 +31,14 @@ def every_bucket(model, one_row: bool = False) -> K.LinearPlan:
     return K.LinearPlan({shape: frozenset(buckets) for shape in K.linear_groups(model)})
 
 
+@pytest.fixture()
+def mm_calls(monkeypatch):
+    """A list that grows by one each time a routed layer (or anyone) calls kernels.mm_linear."""
+    calls, original = [], K.mm_linear
+    monkeypatch.setattr(K, "mm_linear", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_mm_formulation_computes_linear(dtype):
     torch.manual_seed(0)
@@ -83,28 +91,24 @@ def test_measured_plan_covers_every_shape_and_is_cached(monkeypatch, tmp_path):
     assert K.plan_for_mode(model, "multi-row") == plan.multi_row_only()
 
 
-def test_routed_layers_give_the_same_logits_and_one_row_stays_stock():
+def test_routed_layers_give_the_same_logits_and_one_row_stays_stock(mm_calls):
     model = make_model(70, dtype=torch.float32)
     ids = torch.randint(0, 70, (1, 9), generator=torch.Generator().manual_seed(1))
     want = model(ids).logits
-    calls = []
-    original = K.mm_linear
     K.install(model, every_bucket(model))
     try:
-        K.mm_linear = lambda *a: calls.append(1) or original(*a)
         got = model(ids).logits
-        assert calls, "the routed path was not taken"
+        assert mm_calls, "the routed path was not taken"
         torch.testing.assert_close(got, want)
-        calls.clear()
+        mm_calls.clear()
         one = model(ids[:, :1]).logits
-        assert not calls and torch.equal(one, model.__class__.forward(model, ids[:, :1]).logits)
+        assert not mm_calls and torch.equal(one, model.__class__.forward(model, ids[:, :1]).logits)
     finally:
-        K.mm_linear = original
         K.uninstall(model)
     assert all("forward" not in m.__dict__ for ms in K.linear_groups(model).values() for m in ms)
 
 
-def test_one_row_routing_is_the_two_row_kernel_and_stock_kernels_undo_it():
+def test_one_row_routing_is_the_two_row_kernel_and_stock_kernels_undo_it(mm_calls):
     """auto's one-row formulation: the padded mm. Its logits are close to F.linear's and its rows equal
     those of 2- and 3-row passes bitwise (MKL's GEMM kernel computes each column alike there);
     `stock_kernels` runs F.linear inside the block and puts the routing back."""
@@ -119,19 +123,17 @@ def test_one_row_routing_is_the_two_row_kernel_and_stock_kernels_undo_it():
     ids = torch.randint(0, 70, (1, 1), generator=torch.Generator().manual_seed(1))
     stock = model(ids).logits
     K.install(model, every_bucket(model, one_row=True))
-    calls, original = [], K.mm_linear
     try:
-        K.mm_linear = lambda *a: calls.append(1) or original(*a)
+        mm_calls.clear()  # the direct calls above
         routed = model(ids).logits
-        assert calls, "the one-row routed path was not taken"
+        assert mm_calls, "the one-row routed path was not taken"
         torch.testing.assert_close(routed, stock)
-        calls.clear()
+        mm_calls.clear()
         with K.stock_kernels(model):
-            assert torch.equal(model(ids).logits, stock) and not calls
+            assert torch.equal(model(ids).logits, stock) and not mm_calls
         model(ids)
-        assert calls, "the routing was not put back"
+        assert mm_calls, "the routing was not put back"
     finally:
-        K.mm_linear = original
         K.uninstall(model)
 
 
@@ -321,7 +323,7 @@ def test_incremental_text_on_a_tokenizer_that_joins_with_spaces():
         assert released == tok.decode(ids, skip_special_tokens=True) == "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"
 
 
-def test_hf_generate_method_runs_transformers_own_kernels(monkeypatch):
+def test_hf_generate_method_runs_transformers_own_kernels(mm_calls):
     """The bench's `hf-generate` is what users run today: F.linear, not the target's routed kernels,
     which stay installed for the engine's methods after it."""
     from diffspec.bench.methods import HFRunner
@@ -332,9 +334,7 @@ def test_hf_generate_method_runs_transformers_own_kernels(monkeypatch):
     target.linear_plan = every_bucket(target.model, one_row=True)
     K.install(target.model, target.linear_plan)
     assert not HFRunner(target).same_model  # plain's one-row steps run another kernel: compared, not judged
-    calls, original = [], K.mm_linear
-    monkeypatch.setattr(K, "mm_linear", lambda *a: calls.append(1) or original(*a))
     outcome = HFRunner(target).run(list(range(5, 15)), 6, SamplingParams())
-    assert len(outcome.token_ids) == 6 and not calls
+    assert len(outcome.token_ids) == 6 and not mm_calls
     target.forward(torch.tensor([5]))
-    assert calls, "the routing was not put back after hf-generate"
+    assert mm_calls, "the routing was not put back after hf-generate"
