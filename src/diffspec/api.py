@@ -29,29 +29,32 @@ _ENGINES: dict = {}
 def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DRAFTER,
                 policy: "str | LengthPolicy" = DEFAULT_POLICY, dtype: str = "float32", device: str = "cpu",
                 max_context: Optional[int] = None, quiet: bool = False, drafter_dtype: str = "auto",
-                backend: str = "auto", kernels: str = "auto", **policy_options) -> SpeculativeEngine:
+                backend: str = "auto", kernels: str = "auto", compile: str = "off", **policy_options) -> SpeculativeEngine:
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
     drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py).
-    `kernels`: auto, multi-row or stock, the transformers backend's matmul choice (kernels.py)."""
+    `kernels`: auto, multi-row or stock, the transformers backend's matmul choice (kernels.py).
+    `compile`: off, on or auto, the transformers backend's compiled passes (compiled.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
-    check_backend_settings(backend, model, torch_dtype, device, kernels)
+    check_backend_settings(backend, model, torch_dtype, device, kernels, compile)
     engine_key = None
     if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
-        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype, backend, kernels,
+        engine_key = (model, drafter, policy, dtype, device, max_context, drafter_dtype, backend, kernels, compile,
                       tuple(sorted(policy_options.items())))
         if engine_key in _ENGINES:
             return _ENGINES[engine_key]
     target = None
     if backend == "auto":  # resolved first, so one loaded target serves every engine that resolves alike
-        chosen = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,))
+        chosen = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,),
+                                needs_transformers=kernels != "auto" or compile != "off")
         if chosen == "llama.cpp":
-            target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet, kernels)
+            target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet, kernels, compile)
             if not auto_keeps(target, (drafter,), quiet):
                 target = None
     target = target or _shared_target(model, dtype, torch_dtype, device, max_context,
-                                      "transformers" if backend == "auto" else backend, quiet, kernels)
+                                      "transformers" if backend == "auto" else backend, quiet, kernels,
+                                      compile)
     combine = policy == "auto" or getattr(policy, "name", None) == "auto"
     drafter_obj = make_drafter(drafter, target, dtype=torch_dtype, device=device, compute_dtype=drafter_dtype,
                                combine=combine)
@@ -68,12 +71,14 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
 
 
 def _shared_target(model, dtype: str, torch_dtype, device: str, max_context, backend: str, quiet: bool,
-                   kernels: str):
-    """One loaded target per (model, dtype, device, max_context, backend, kernels) in this process."""
-    key = (model, dtype, device, max_context, backend, kernels if backend == "transformers" else "auto")
+                   kernels: str, compile: str = "off"):
+    """One loaded target per (model, dtype, device, max_context, backend, kernels, compile) in this process."""
+    transformers = backend == "transformers"
+    key = (model, dtype, device, max_context, backend, kernels if transformers else "auto",
+           compile if transformers else "off")
     if key not in _TARGETS:
         _TARGETS[key] = load_target(model, backend=backend, dtype=torch_dtype, device=device, max_context=max_context,
-                                    quiet=quiet, kernels=key[-1])
+                                    quiet=quiet, kernels=key[-2], compile=key[-1])
     return _TARGETS[key]
 
 

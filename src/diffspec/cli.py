@@ -275,6 +275,14 @@ def add_backend_option(parser) -> None:
                              "included (plain decoding may then differ from transformers' eager forward in the last "
                              "bits; measured once, cached); multi-row does so for passes of 2+ rows only (one-row "
                              "steps stay transformers' own, bitwise); stock runs F.linear everywhere")
+    from .compiled import COMPILE_MODES
+
+    parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),
+                        help="transformers backend: torch.compile the target's passes. off (default); auto compiles "
+                             "the one-row pass at start (~30 s on a 2-core CPU) and keeps it where it measures faster "
+                             "(the decision is cached); on compiles the passes of 1 to 17 rows at start (each width "
+                             "its own graph, minutes on a CPU: for long-lived servers and benches). Compiled logits may differ from "
+                             "eager ones in the last bits")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
@@ -374,7 +382,7 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend,
-                         kernels=args.kernels, **options)
+                         kernels=args.kernels, compile=args.compile, **options)
     stream = engine.stream(args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling,
                            chat=not args.raw, system=args.system)
     if args.json:
@@ -438,11 +446,11 @@ def _bench(args) -> int:
                                                                                   else args.argv)))
     specs = prepare(config)[1]  # bad methods, parameters or prompt files fail before the model loads
     check_device_available(args.device)
-    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device, args.kernels)
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), args.device, args.kernels, args.compile)
     drafters, needs_transformers = method_needs(specs)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=args.device,
                          quiet=args.quiet, drafters=drafters, needs_transformers=needs_transformers,
-                         kernels=args.kernels)
+                         kernels=args.kernels, compile=args.compile)
     result = run_bench(config, target, out=args.out)
     best = ", ".join(f"{d}: {m}" for d, m in best_per_dataset(summarize(result.rows)).items())
     print(f"wrote {len(result.files)} files to {args.out}; best: {best}", file=sys.stderr)

@@ -74,13 +74,15 @@ class Profile:
     machine: dict               # the machine key the table is filed under (costs.machine_key)
     drafters: tuple = ()        # DrafterProfile per part
     backend: str = "transformers"  # what ran the target (backends/)
+    runtime: Optional[dict] = None   # transformers: its matmul kernels and compiled passes (Target.runtime)
 
     @property
     def from_cache(self) -> bool:
         return self.origin == "cache"
 
     def to_dict(self) -> dict:
-        return {"target": self.target, "backend": self.backend, "dtype": self.dtype, "device": self.device,
+        return {"target": self.target, "backend": self.backend, "runtime": self.runtime, "dtype": self.dtype,
+                "device": self.device,
                 "max_context": self.max_context, "machine": self.machine,
                 "verify": {"origin": self.origin, "cache_file": self.cache_file, **self.costs.to_json()},
                 "drafters": [d.to_dict() for d in self.drafters]}
@@ -91,9 +93,12 @@ class Profile:
         ms = [f"ms@{c}" for c in t.contexts]
         ratio = [f"x@{c}" for c in t.contexts]
         width = max(8, max(len(h) for h in ms + ratio) + 1)
-        lines = [f"target {self.target} ({self.backend}, {self.dtype}, {self.device}, max context {self.max_context})",
-                 f"verify cost of one pass over k drafted tokens ({'read from the cache' if self.from_cache else 'measured now'}):",
-                 f"{'k':>4s} |" + "".join(f"{h:>{width}s}" for h in ms) + " |" + "".join(f"{h:>{width}s}" for h in ratio)]
+        lines = [f"target {self.target} ({self.backend}, {self.dtype}, {self.device}, max context {self.max_context})"]
+        if self.runtime:
+            lines.append(f"passes: {self.runtime['compile']['runs']}; matmuls: {self.runtime['linear_plan']}")
+        lines += [f"verify cost of one pass over k drafted tokens ({'read from the cache' if self.from_cache else 'measured now'}):",
+                  f"{'k':>4s} |" + "".join(f"{h:>{width}s}" for h in ms) + " |" +
+                  "".join(f"{h:>{width}s}" for h in ratio)]
         for i, k in enumerate(t.ks):
             row = [r[i] * 1e3 for r in t.verify_s]
             x = [r[i] / r[0] if r[0] > 0 else float("nan") for r in t.verify_s]
@@ -189,7 +194,7 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
     return Profile(target=target.name, dtype=str(target.dtype).replace("torch.", ""), device=str(target.device),
                    max_context=target.max_context, costs=costs, origin="cache" if from_cache else "measured",
                    cache_file=str(verify_path(target)), machine=machine_key(target.device), drafters=drafters,
-                   backend=target.backend)
+                   backend=target.backend, runtime=target.runtime() if hasattr(target, "runtime") else None)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -240,9 +245,10 @@ def profile_command(args) -> int:
     check_profile_args(args.dtype, args.max_context, args.out, args.drafter, args.drafter_dtype)
     device = getattr(args, "device", "cpu")
     check_device_available(device)
-    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), device, args.kernels)
+    check_backend_settings(args.backend, args.model, parse_dtype(args.dtype), device, args.kernels, args.compile)
     target = load_target(args.model, backend=args.backend, dtype=parse_dtype(args.dtype), device=device,
-                         max_context=args.max_context, quiet=args.json, drafters=(args.drafter,), kernels=args.kernels)
+                         max_context=args.max_context, quiet=args.json, drafters=(args.drafter,), kernels=args.kernels,
+                         compile=args.compile)
     profile = profile_target(target, args.drafter, recalibrate=args.recalibrate, progress=not args.json,
                              drafter_dtype=args.drafter_dtype)
     if args.out is not None:

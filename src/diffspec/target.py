@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -168,13 +169,17 @@ class Target(TargetBase):
     backend = "transformers"
 
     def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model",
-                 kernels: str = "stock", quiet: bool = True):
+                 kernels: str = "stock", quiet: bool = True, compile: str = "off"):
         """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
-        or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own)."""
+        or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
+        `compile` (compiled.py): 'off', 'on' (every pass of up to 17 rows, compiled at start) or 'auto'
+        (the one-row pass compiled at start and kept where it measures faster)."""
+        from . import compiled as comp
         from . import kernels as kern
 
         kern.check_kernels(kernels)
+        comp.check_compile(compile)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -195,15 +200,24 @@ class Target(TargetBase):
         if kernels != "stock" and self.device.type == "cpu":
             self.linear_plan = kern.plan_for_mode(model, kernels, quiet=quiet)
             kern.install(model, self.linear_plan)
+        self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet)
+        if compile == "auto":
+            comp.choose_one_row(self)
+        elif compile == "on":
+            comp.compile_widths(self)
 
     @classmethod
     def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             max_context: Optional[int] = None, quiet: bool = False, kernels: str = "auto") -> "Target":
+             max_context: Optional[int] = None, quiet: bool = False, kernels: str = "auto",
+             compile: str = "off") -> "Target":
+        from .compiled import check_compile
         from .kernels import check_kernels
 
         check_kernels(kernels)
+        check_compile(compile)
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
-        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL, kernels=kernels, quiet=quiet)
+        return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL, kernels=kernels, quiet=quiet,
+                   compile=compile)
 
     # --- cache -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -235,8 +249,15 @@ class Target(TargetBase):
         if self.cache_len + n > self.max_context:
             raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
                                 f"of {self.max_context}")
-        out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
-                         use_cache=True, output_hidden_states=bool(hidden_layers), logits_to_keep=0 if logits else 1)
+        shape = (n, bool(logits))
+        compiled = self.cache_len > 0 and self.compiled.runs(shape)
+        started = time.perf_counter()
+        # a compiled pass always returns the hidden states: one graph per width serves every caller
+        out = (self.compiled.fn if compiled else self.model)(
+            input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache, use_cache=True,
+            output_hidden_states=bool(hidden_layers) or compiled, logits_to_keep=0 if logits else 1)
+        if compiled:
+            self.compiled.timed_first(shape, time.perf_counter() - started)
         self.forward_passes += 1
         hidden = None
         if hidden_layers:
@@ -248,9 +269,13 @@ class Target(TargetBase):
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
+    def runtime(self) -> dict:
+        """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
+        return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(), "compile": self.compiled.to_json()}
+
     @property
-    def fingerprint(self) -> str:
-        """Equal for two targets that compute alike (the cost tables' key)."""
+    def base_fingerprint(self) -> str:
+        """Equal for two targets with the same weights and matmul kernels (compiled or not)."""
         if self._fingerprint is None:
             from .costs import model_fingerprint
             self._fingerprint = model_fingerprint(self.model)
@@ -258,3 +283,11 @@ class Target(TargetBase):
                 from .costs import cache_key
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
         return self._fingerprint
+
+    @property
+    def fingerprint(self) -> str:
+        """Equal for two targets that compute alike, at the same speed (the cost tables' key)."""
+        if self.compiled.fn is None or self.compiled.shapes == set():
+            return self.base_fingerprint
+        from .costs import cache_key
+        return cache_key(self.base_fingerprint, self.compiled.describe())

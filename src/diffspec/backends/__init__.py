@@ -39,16 +39,20 @@ def check_backend(name: str) -> None:
 
 
 def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype, device: str,
-                           kernels: str = "auto") -> None:
+                           kernels: str = "auto", compile: str = "off") -> None:
     """Refuse, before any model loads, settings the named backend would not honour."""
+    from ..compiled import check_compile
     from ..kernels import check_kernels
 
     check_backend(backend)
     check_kernels(kernels)
+    check_compile(compile)
     if backend != "llama.cpp":
         return
     if kernels != "auto":
         raise DiffspecError(f"--kernels {kernels} applies to the transformers backend; llama.cpp runs its own kernels")
+    if compile != "off":
+        raise DiffspecError(f"--compile {compile} applies to the transformers backend; llama.cpp runs its own compiled code")
     from ..models import gguf_file
     from .llama_cpp import import_llama_cpp
 
@@ -83,24 +87,28 @@ def is_drafting(drafters: Sequence[Optional[str]]) -> bool:
 def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.dtype = torch.float32,
                 device: str = "cpu", max_context: Optional[int] = None, quiet: bool = False,
                 drafters: Sequence[Optional[str]] = ("auto",), needs_transformers: bool = False,
-                kernels: str = "auto"):
+                kernels: str = "auto", compile: str = "off"):
     """Load the target on the chosen backend. For `auto` (see the module docstring): `drafters` are
     the drafter names that will run on it (None or 'none': plain decoding), `needs_transformers` says
     that something will read its transformers model (bench methods hf-generate, dflash-ref).
-    `kernels`: the transformers backend's matmul choice (kernels.py)."""
+    `kernels`: the transformers backend's matmul choice (kernels.py); `compile`: its compiled passes
+    (compiled.py). The llama.cpp backend refuses either when set."""
     from ..target import Target
     from .llama_cpp import LlamaCppTarget
 
-    check_backend_settings(backend, spec, dtype, device, kernels)
+    check_backend_settings(backend, spec, dtype, device, kernels, compile)
     chosen = backend
     if backend == "auto":
-        chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters, needs_transformers)
+        # a transformers-only setting asked for by name decides for transformers (never silently dropped)
+        asks_transformers = needs_transformers or kernels != "auto" or compile != "off"
+        chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters, asks_transformers)
     if chosen == "llama.cpp":
         target = LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)
         if backend != "auto" or auto_keeps(target, drafters, quiet):
             return target
         del target
-    return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet, kernels=kernels)
+    return Target.load(spec, dtype=dtype, device=device, max_context=max_context, quiet=quiet, kernels=kernels,
+                       compile=compile)
 
 
 def auto_keeps(target, drafters: Sequence[Optional[str]], quiet: bool = False) -> bool:

@@ -216,6 +216,7 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
                 "sweep": list(config.sweep), "target": getattr(target, "name", None),
                 "target_dtype": str(getattr(target, "dtype", "")).replace("torch.", ""),
                 "target_backend": getattr(target, "backend", "transformers"),
+                "target_runtime": target.runtime() if hasattr(target, "runtime") else None,
                 "command": config.command or shlex.join(["diffspec", "bench"])}
     machine = machine_info()
     if getattr(target, "device", torch.device("cpu")).type == "cuda":

@@ -116,6 +116,7 @@ def serve_command(args) -> int:
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          drafter_dtype=args.drafter_dtype, backend=args.backend, kernels=args.kernels,
+                         compile=args.compile,
                          **options)
     config = ServerConfig(model_name=args.served_model_name or engine.target.name, api_key=args.api_key,
                           max_queue=args.max_queue, host=args.host, port=args.port)

@@ -1,0 +1,139 @@
+"""Compiled target passes (`--compile`, compiled.py): the same tokens as eager, one graph per pass
+shape whatever the context, auto's decision measured and cached, bad settings refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+
+from diffspec import compiled as C
+from diffspec.engine import SpeculativeEngine
+from diffspec.errors import DiffspecError
+from diffspec.policies import make_policy
+from diffspec.target import Target
+
+from conftest import make_model
+from helpers import RandomDrafter, ScriptedDrafter
+
+
+def graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.fixture()
+def narrow(monkeypatch):
+    """`on` compiles widths 1-4 (not 1-17): tiny models, seconds."""
+    monkeypatch.setattr(C, "MAX_COMPILED_WIDTH", 4)
+
+
+def test_on_compiles_every_width_at_start_and_then_never_again(narrow):
+    """Logits of compiled passes equal eager ones to rounding, for one row and several, as the context
+    grows and across requests with other cache capacities: no pass compiles after the start. Rounding
+    here is float32's even in a float64 model: the rotary angles are computed in float32 (transformers'
+    rotary embedding), and inductor's cos/sin kernels round them otherwise (measured: 5e-7)."""
+    torch._dynamo.reset()
+    ids = torch.arange(4, 60)
+    eager, comp = Target(make_model(70, seed=5)), Target(make_model(70, seed=5), compile="on")
+    assert set(comp.compiled.compile_s) == {f"{w} rows" for w in range(1, 5)}
+    assert comp.cache_len == 0 and comp.forward_passes == 0
+    assert comp.compiled.describe().startswith("compiled") and eager.compiled.describe() == "eager"
+    assert comp.compiled.runs((4, True)) and not comp.compiled.runs((5, True))
+    assert not comp.compiled.runs((2, False))  # a prefill: eager
+    before = graphs()
+    for target in (eager, comp):
+        target.reserve(40)
+        target.forward(ids[:20], logits=False)
+    for start, width in ((20, 1), (21, 1), (22, 3), (25, 1), (26, 4), (30, 2)):
+        want, got = (t.forward(ids[start:start + width]).logits for t in (eager, comp))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    # a pass that reads hidden states (the conditioned drafter's) runs the same graph
+    want, got = (t.forward(ids[32:35], hidden_layers=(0, 1)) for t in (eager, comp))
+    torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
+    for t in (eager, comp):  # another request, another cache capacity
+        t.reset()
+        t.reserve(90)
+        t.forward(ids[:7], logits=False)
+    torch.testing.assert_close(comp.forward(ids[7:8]).logits, eager.forward(ids[7:8]).logits, rtol=0, atol=1e-5)
+    assert graphs() == before
+
+
+def test_greedy_output_with_compiled_passes_equals_plain_eager(narrow):
+    """The lossless contract with compiled passes: plain and speculative decoding (accepted and rejected
+    drafts, rollback) give the eager target's own greedy tokens."""
+    torch._dynamo.reset()
+    tok_ids = list(range(5, 17))
+    plain = SpeculativeEngine(Target(make_model(70, seed=3)), None).generate(
+        tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids
+    compiled = Target(make_model(70, seed=3), compile="on")
+    widths, graph = [], compiled.compiled.fn
+    compiled.compiled.fn = lambda **kw: widths.append(kw["input_ids"].shape[1]) or graph(**kw)
+    assert SpeculativeEngine(compiled, None).generate(tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    for drafter in (ScriptedDrafter(tok_ids + plain), RandomDrafter(70, seed=4)):
+        engine = SpeculativeEngine(compiled, drafter, make_policy("fixed", gamma=3))
+        assert engine.generate(tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    assert {1, 4} <= set(widths)  # plain steps and 3-token verify passes ran compiled
+
+
+def test_auto_measures_once_and_a_cached_loss_skips_the_compile(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    torch._dynamo.reset()
+    target = Target(make_model(70, seed=6), compile="auto")
+    d = target.compiled.decision
+    assert d["origin"] == "measured" and d["eager_ms"] > 0 and d["compiled_ms"] > 0
+    assert d["keep"] == (d["compiled_ms"] < C.AUTO_MARGIN * d["eager_ms"])
+    assert target.compiled.one_row == d["keep"] and not target.compiled.runs((2, True))
+    assert "1 rows" in target.compiled.compile_s
+    assert target.cache_len == 0 and target.forward_passes == 0  # the measurement leaves no trace
+    # where eager won, the next start reads that and compiles nothing
+    where = C.decision_path(target)
+    where.write_text(json.dumps({**d, "keep": False}))
+    again = Target(make_model(70, seed=6), compile="auto")
+    assert again.compiled.decision["origin"] == "cache" and not again.compiled.one_row
+    assert again.compiled.compile_s == {}
+    assert again.fingerprint == Target(make_model(70, seed=6)).fingerprint  # eager: the eager cost table
+    assert target.fingerprint != again.fingerprint or not d["keep"]
+
+
+def test_compile_settings_refused_by_name():
+    from diffspec.backends import check_backend_settings
+
+    with pytest.raises(DiffspecError, match="unknown --compile 'fast'"):
+        Target(make_model(70), compile="fast")
+    with pytest.raises(DiffspecError, match="unknown --compile 'yes'"):
+        check_backend_settings("transformers", None, torch.float32, "cpu", "auto", "yes")
+    proc = subprocess.run([sys.executable, "-m", "diffspec", "generate", "hi", "--compile", "fast"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--compile: invalid choice: 'fast'" in proc.stderr
+
+
+def test_compile_refused_for_sliding_window_models():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=70, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=8, max_position_embeddings=128)
+    with pytest.raises(DiffspecError, match="sliding_attention layers"):
+        Target(MistralForCausalLM(cfg).eval(), compile="on")
+
+
+def test_compile_refused_on_llama_cpp_and_decides_auto_for_transformers(monkeypatch):
+    from diffspec import backends
+
+    pytest.importorskip("llama_cpp")
+    with pytest.raises(DiffspecError, match="--compile on applies to the transformers backend"):
+        backends.check_backend_settings("llama.cpp", None, torch.float32, "cpu", "auto", "on")
+    asked = {}
+
+    def fake_choose(spec, dtype, device, max_context, quiet, drafters, needs_transformers=False):
+        asked["needs_transformers"] = needs_transformers
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(backends, "choose_backend", fake_choose)
+    with pytest.raises(RuntimeError, match="stop here"):
+        backends.load_target("some.gguf", compile="auto")
+    assert asked["needs_transformers"] is True  # --compile is never silently dropped by auto choosing llama.cpp
