@@ -12,7 +12,8 @@
 #   run(command="bash scripts/gpu_engine_run.sh start",   carry=[".gpu/part2", ".gpu/rest", ".whl"])
 #   run(command="bash scripts/gpu_engine_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
 #   run(command="bash scripts/gpu_engine_run.sh collect")    # the records into $OUT
-# BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench.
+# BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench; COMPILE_S
+# (seconds, default 600; 0 skips it) bounds a second bench under `--compile on` (compiled widths on CUDA).
 set -u
 G=/root/g
 source "$(dirname "$0")/gpu_transfer.sh"
@@ -40,13 +41,17 @@ start)
     timeout ${BENCH_S:-600} python3 -m diffspec bench --backend transformers --device cuda --dataset all \
         --num-prompts ${BENCH_N:-10} --max-new-tokens 256 --methods hf-generate plain auto prompt-lookup \
         --out $G/out/bench_cuda --quiet > $G/out/bench_cuda.txt 2>&1 || fail bench
+    [ \"${COMPILE_S:-600}\" = 0 ] || timeout ${COMPILE_S:-600} python3 -m diffspec bench --backend transformers \
+        --device cuda --compile on --dataset all --num-prompts ${BENCH_N:-10} --max-new-tokens 256 \
+        --methods plain auto prompt-lookup --out $G/out/bench_cuda_compile_on > $G/out/bench_cuda_compile_on.txt 2>&1 \
+        || fail bench-compile-on
     echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
   sleep 30; tail -c 800 $G/out/profile_cuda.txt ;;
 wait)
   end=$(( $(date +%s) + ${2:-540} ))
   while [ $(date +%s) -lt $end ]; do grep -q 'all done' $G/run.log 2>/dev/null && break; sleep 10; done
   cat $G/run.log 2>/dev/null
-  for f in profile_cuda pass_latency bench_cuda; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
+  for f in profile_cuda pass_latency bench_cuda bench_cuda_compile_on; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
 collect)
   cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
 *) echo "usage: $0 prepare|stash N|start|wait [S]|collect" >&2; exit 2 ;;

@@ -27,22 +27,24 @@ def graphs() -> int:
 
 @pytest.fixture()
 def narrow(monkeypatch):
-    """`on` compiles widths 1-4 (not 1-17): tiny models, seconds."""
-    monkeypatch.setattr(C, "MAX_COMPILED_WIDTH", 4)
+    """`on` compiles widths 1, 2 and 4 (a 3-row pass is padded to 4): tiny models, seconds."""
+    monkeypatch.setattr(C, "WIDTH_BUCKETS", (1, 2, 4))
 
 
 def test_on_compiles_every_width_at_start_and_then_never_again(narrow):
-    """Logits of compiled passes equal eager ones to rounding, for one row and several, as the context
-    grows and across requests with other cache capacities: no pass compiles after the start. Rounding
-    here is float32's even in a float64 model: the rotary angles are computed in float32 (transformers'
-    rotary embedding), and inductor's cos/sin kernels round them otherwise (measured: 5e-7)."""
+    """Logits of compiled passes equal eager ones to rounding, for one row and several (padded to a
+    bucket or not), as the context grows, whatever the storage offset of the ids (torch specialises
+    offsets 0 and 1: the engine's ids are views at any offset) and across requests with other cache
+    capacities: no pass compiles after the start. Rounding here is float32's even in a float64 model:
+    the rotary angles are computed in float32 (transformers' rotary embedding), and inductor's cos/sin
+    kernels round them otherwise (measured: 5e-7)."""
     torch._dynamo.reset()
     ids = torch.arange(4, 60)
     eager, comp = Target(make_model(70, seed=5)), Target(make_model(70, seed=5), compile="on")
-    assert set(comp.compiled.compile_s) == {f"{w} rows" for w in range(1, 5)}
+    assert set(comp.compiled.compile_s) == {"1 rows", "2 rows", "4 rows"}
     assert comp.cache_len == 0 and comp.forward_passes == 0
     assert comp.compiled.describe().startswith("compiled") and eager.compiled.describe() == "eager"
-    assert comp.compiled.runs((4, True)) and not comp.compiled.runs((5, True))
+    assert [comp.compiled.graph_rows((n, True)) for n in range(1, 6)] == [1, 2, 4, 4, None]
     assert not comp.compiled.runs((2, False))  # a prefill: eager
     before = graphs()
     for target in (eager, comp):
@@ -50,6 +52,10 @@ def test_on_compiles_every_width_at_start_and_then_never_again(narrow):
         target.forward(ids[:20], logits=False)
     for start, width in ((20, 1), (21, 1), (22, 3), (25, 1), (26, 4), (30, 2)):
         want, got = (t.forward(ids[start:start + width]).logits for t in (eager, comp))
+        assert got.shape == (width, 70) and comp.cache_len == eager.cache_len == start + width
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for view in (ids[0:1], ids[1:2], ids[0:2], ids[1:4], torch.tensor([9, 8, 7, 6])):  # storage offsets 0 and 1
+        want, got = (t.forward(view).logits for t in (eager, comp))
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # a pass that reads hidden states (the conditioned drafter's) runs the same graph
     want, got = (t.forward(ids[32:35], hidden_layers=(0, 1)) for t in (eager, comp))
@@ -75,9 +81,10 @@ def test_greedy_output_with_compiled_passes_equals_plain_eager(narrow):
     compiled.compiled.fn = lambda **kw: widths.append(kw["input_ids"].shape[1]) or graph(**kw)
     assert SpeculativeEngine(compiled, None).generate(tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
     for drafter in (ScriptedDrafter(tok_ids + plain), RandomDrafter(70, seed=4)):
-        engine = SpeculativeEngine(compiled, drafter, make_policy("fixed", gamma=3))
-        assert engine.generate(tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
-    assert {1, 4} <= set(widths)  # plain steps and 3-token verify passes ran compiled
+        for gamma in (2, 3):  # verify passes of 3 rows (padded to 4) and of 4
+            engine = SpeculativeEngine(compiled, drafter, make_policy("fixed", gamma=gamma))
+            assert engine.generate(tok_ids, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    assert set(widths) == {1, 2, 4}  # plain steps and verify passes ran compiled, 3 rows as 4
 
 
 def test_auto_measures_once_and_a_cached_loss_skips_the_compile(monkeypatch, tmp_path):

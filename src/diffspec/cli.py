@@ -280,9 +280,9 @@ def add_backend_option(parser) -> None:
     parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),
                         help="transformers backend: torch.compile the target's passes. off (default); auto compiles "
                              "the one-row pass at start (~30 s on a 2-core CPU) and keeps it where it measures faster "
-                             "(the decision is cached); on compiles the passes of 1 to 17 rows at start (each width "
-                             "its own graph, minutes on a CPU: for long-lived servers and benches). Compiled logits may differ from "
-                             "eager ones in the last bits")
+                             "(the decision is cached); on runs every pass of up to 32 rows compiled, padded to one of "
+                             "ten widths compiled at start (minutes on a CPU: for long-lived servers and benches). "
+                             "Compiled logits may differ from eager ones in the last bits")
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:

@@ -2,20 +2,29 @@
 
 `torch.compile` (inductor, `dynamic=True`) of the target's forward, traced through our position-indexed
 cache (cache.py) and the measured matmul plan (kernels.py). The cache length is symbolic: a request's
-growing context reuses one graph. The pass width is not: torch specialises every width (and every
-set of returned hidden states) into its own graph, so a graph is compiled per distinct pass shape, on
-its first use. What the graphs cost and save, on a 2-core AVX-512 EPYC with SmolLM2-135M
-(`benchmarks/results/issue19_engine/ab3_compile_avx512.json`): the one-row pass compiles in ~30 s
-(warm inductor cache or not: most of it is dynamo tracing transformers' Python) and then runs in
-24 ms against 32 ms eager; the 2-row pass ~35 s, each further width 13-15 s; verify passes of 2-9
-rows run 1.15-1.3x faster than eager, 17 rows no faster.
+growing context reuses one graph. The pass width is not: torch specialises every width into its own
+graph. So widths are bucketed: a pass of n rows runs the graph of the smallest width in WIDTH_BUCKETS
+that holds it, its tokens padded with copies of the last one (Target.forward). The padding rows come
+after the real ones, so causal attention keeps them out of every real row; their logits are dropped
+and their cache positions cut off right after the pass (a length moved, as in a rollback). The input
+ids are always a fresh tensor: torch also specialises a tensor's storage offset when it is 0 or 1, and
+the engine's token tensors are views at any offset, so without the copy a width compiled again the
+first time its ids started a tensor (stalls of ~1 minute each, seen in the bench).
+
+What the graphs cost and save, on a 2-core AVX-512 EPYC with SmolLM2-135M
+(`benchmarks/results/issue19_engine/ab3_compile_avx512.json`, `ab4_buckets_avx512.json`): a width
+compiles in 55-80 s cold, 11-20 s with inductor's on-disk cache warm (the one-row and two-row
+passes 30-50 s either way: most of it is dynamo tracing transformers' Python). The one-row pass then
+runs in 24 ms against 31 ms eager; verify passes of 2-8 rows 1.2-1.3x faster than eager; from 9
+rows the matmuls dominate (MKL's GEMM) and compiling saves 5-15%.
 
 The modes:
 - `off` (default): eager, as before.
-- `on`: every decoding or verify pass of at most MAX_COMPILED_WIDTH rows runs compiled, all of them
-  compiled at start (`compile_widths`: 4-11 min on a 2-core CPU, each width reported), so no request
-  stalls on a compile. Prefills stay eager (their widths are the prompts' lengths, and a
-  pass on an empty cache would be another graph). For long-lived processes (`serve`, `bench`).
+- `on`: every decoding or verify pass of at most WIDTH_BUCKETS[-1] rows runs compiled, the graph of
+  each bucket compiled at start (`compile_widths`: ~3 min with inductor's cache warm, ~11 cold on a
+  2-core CPU; each width reported), so no request stalls on a compile. Prefills stay eager (their
+  widths are the prompts' lengths, and a pass on an empty cache would be another graph). For
+  long-lived processes (`serve`, `bench`).
 - `auto`: at start, compile the one-row pass (every plain step and every round without drafts is
   one), time it against eager (interleaved), and keep it where it is at least 1/AUTO_MARGIN faster;
   wider passes stay eager (on a CPU each would cost a minute to compile for a few ms a pass).
@@ -23,7 +32,8 @@ The modes:
   the compile. Compiled code itself is cached by torch's inductor (its FX graph cache), not by us.
 
 Exactness: a compiled pass computes the same sums with other (fused) kernels, so its logits may differ
-from eager's in the last bits (2e-5 measured on SmolLM2 in float32). With `on` or `auto`, plain
+from eager's in the last bits (2e-5 measured on SmolLM2 in float32; a padded pass computes its rows
+with the kernels of its bucket's row count, a difference of the same order). With `on` or `auto`, plain
 decoding and speculative decoding run the same compiled one-row pass; verify passes of 2+ rows run
 eager under `auto`, so a greedy token decided by a near-tie (top-1 lead below ~1e-4) may come out
 differently than plain decoding's. The default stays `off`.
@@ -42,15 +52,23 @@ import torch
 from .errors import DiffspecError
 
 COMPILE_MODES = ("off", "on", "auto")
-#: `on` compiles passes up to this many rows (verify passes of up to 16 drafted tokens); wider ones run eager
-MAX_COMPILED_WIDTH = 17
+#: the widths compiled under `on`: a pass runs the smallest that holds it (padded), wider ones run eager.
+#: From MKL's GEMM cost per row count (2-core AVX-512 EPYC, benchmarks/results/issue19_engine/
+#: gemm_rows_avx512.txt; MKL's blocking favours multiples of 8): a pass's linears cost 38 ms at 8 rows,
+#: 51-70 at 9-15 against 58 at 16, 70-83 at 17-23 against 74 at 24, 85-95 at 25-31 against 82 at 32.
+WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 16, 24, 32)
 #: `auto` keeps the compiled one-row pass only where it timed at least this much faster
 AUTO_MARGIN = 0.95
 FORMAT = 1
 
-#: what selects a graph: (rows, all logits?). A compiled pass always returns every layer's hidden
-#: states (they exist anyway), so passes that read them (the conditioned drafter's) share its graph.
+#: a pass as the caller asks it: (rows, all logits?). A compiled pass always returns every layer's
+#: hidden states (they exist anyway), so passes that read them (the conditioned drafter's) share its graph.
 PassShape = Tuple[int, bool]
+
+
+def bucket(rows: int) -> Optional[int]:
+    """The compiled width that holds a pass of `rows` rows, or None past the widest."""
+    return next((width for width in WIDTH_BUCKETS if width >= rows), None)
 
 
 def check_compile(mode: str) -> None:
@@ -86,7 +104,7 @@ class CompiledPasses:
 
     mode: str = "off"
     fn: Optional[object] = None                      # torch.compile(model.forward)
-    shapes: Optional[set] = None                     # the shapes that run compiled (None with `on`: all small ones)
+    shapes: Optional[set] = None                     # the graph shapes that run (None with `on`: every bucket)
     compile_s: Dict[str, float] = field(default_factory=dict)  # shape -> seconds of its first (compiling) pass
     decision: dict = field(default_factory=dict)     # auto's measurement
     quiet: bool = True
@@ -97,16 +115,22 @@ class CompiledPasses:
         if mode == "off":
             return cls("off", quiet=quiet)
         check_compilable(model.config)
-        _allow_graphs(4 * MAX_COMPILED_WIDTH)
+        _allow_graphs(4 * len(WIDTH_BUCKETS))
         fn = torch.compile(model.forward, dynamic=True)
         return cls(mode, fn, None if mode == "on" else set(), quiet=quiet)
 
+    def graph_rows(self, shape: PassShape) -> Optional[int]:
+        """The width of the graph a pass of this shape runs (its rows padded up to a bucket), or None:
+        eager. Prefills (passes that keep only the last logits) never run compiled, nor passes wider
+        than the widest bucket, nor a pass on an empty cache (Target.forward)."""
+        rows, logits = shape
+        width = bucket(rows)
+        if self.fn is None or not logits or width is None:
+            return None
+        return width if self.shapes is None or (width, logits) in self.shapes else None
+
     def runs(self, shape: PassShape) -> bool:
-        """Whether a pass of this shape runs compiled. Prefills (passes that keep only the last logits,
-        and any pass wider than MAX_COMPILED_WIDTH) never do; nor a pass on an empty cache (Target.forward)."""
-        if self.fn is None or shape[0] > MAX_COMPILED_WIDTH or not shape[1]:
-            return False
-        return self.shapes is None or shape in self.shapes
+        return self.graph_rows(shape) is not None
 
     @property
     def one_row(self) -> bool:
@@ -126,7 +150,7 @@ class CompiledPasses:
         if self.fn is None:
             return "eager"
         if self.shapes is None:
-            return f"compiled (passes of up to {MAX_COMPILED_WIDTH} rows)"
+            return f"compiled (passes of up to {WIDTH_BUCKETS[-1]} rows, padded to {', '.join(map(str, WIDTH_BUCKETS))})"
         return "compiled one-row pass" if self.shapes else "eager (auto: compiled one-row pass measured slower)"
 
     def to_json(self) -> dict:
@@ -135,17 +159,17 @@ class CompiledPasses:
 
 
 def compile_widths(target, context: int = 32) -> None:
-    """`--compile on`: compile the pass of every width up to MAX_COMPILED_WIDTH now (at start), on a
-    scratch context. Leaves the target's cache empty."""
+    """`--compile on`: compile the pass of every bucket's width now (at start), on a scratch context.
+    Leaves the target's cache empty."""
     if not target.compiled.quiet:
-        print(f"diffspec: --compile on: compiling the target's passes of 1 to {MAX_COMPILED_WIDTH} rows (once per "
-              f"process; minutes on a CPU)", file=sys.stderr, flush=True)
-    ids = torch.randint(0, target.vocab_size, (context + MAX_COMPILED_WIDTH,),
-                        generator=torch.Generator().manual_seed(0))
+        print(f"diffspec: --compile on: compiling the target's passes of {', '.join(map(str, WIDTH_BUCKETS))} rows "
+              f"(once per process; minutes on a CPU)", file=sys.stderr, flush=True)
+    widest = WIDTH_BUCKETS[-1]
+    ids = torch.randint(0, target.vocab_size, (context + widest,), generator=torch.Generator().manual_seed(0))
     target.reset()
-    target.reserve(context + MAX_COMPILED_WIDTH)
+    target.reserve(context + widest)
     target.forward(ids[:context], logits=False)
-    for width in range(1, MAX_COMPILED_WIDTH + 1):
+    for width in WIDTH_BUCKETS:
         target.forward(ids[context:context + width])  # Target.forward records the compile time
         target.truncate(context)
     target.reset()

@@ -173,7 +173,8 @@ class Target(TargetBase):
         """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
         or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
-        `compile` (compiled.py): 'off', 'on' (every pass of up to 17 rows, compiled at start) or 'auto'
+        `compile` (compiled.py): 'off', 'on' (every pass of up to 32 rows, in bucketed widths compiled at
+        start) or 'auto'
         (the one-row pass compiled at start and kept where it measures faster)."""
         from . import compiled as comp
         from . import kernels as kern
@@ -249,21 +250,39 @@ class Target(TargetBase):
         if self.cache_len + n > self.max_context:
             raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
                                 f"of {self.max_context}")
-        shape = (n, bool(logits))
-        compiled = self.cache_len > 0 and self.compiled.runs(shape)
+        width = self.compiled.graph_rows((n, bool(logits))) if self.cache_len > 0 else None
+        if width is not None and self.cache_len + width > self.max_context:
+            width = None  # the padding rows would not fit the model's context
         started = time.perf_counter()
-        # a compiled pass always returns the hidden states: one graph per width serves every caller
-        out = (self.compiled.fn if compiled else self.model)(
-            input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache, use_cache=True,
-            output_hidden_states=bool(hidden_layers) or compiled, logits_to_keep=0 if logits else 1)
-        if compiled:
-            self.compiled.timed_first(shape, time.perf_counter() - started)
+        if width is None:
+            out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache, use_cache=True,
+                             output_hidden_states=bool(hidden_layers), logits_to_keep=0 if logits else 1)
+        else:
+            out = self._compiled_pass(tokens.reshape(n).to(self.device), width)
+            self.compiled.timed_first((width, True), time.perf_counter() - started)
         self.forward_passes += 1
         hidden = None
         if hidden_layers:
             # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
-            hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
-        return TargetOutput(out.logits[0], hidden)
+            hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
+        return TargetOutput(out.logits[0, :n], hidden)
+
+    def _compiled_pass(self, ids: torch.Tensor, width: int):
+        """One pass through the compiled graph of `width` rows (compiled.py): the ids padded with copies
+        of the last one, always as a fresh tensor (storage offset 0: torch specialises offsets 0 and 1);
+        the padding rows' cache positions are cut off after the pass. Every layer's hidden states
+        are returned, so all callers share one graph per width."""
+        n, start = ids.shape[0], self.cache_len
+        if width > n:
+            reserve_cache(self._cache, start + width)  # the padding must not grow the cache inside the graph
+            ids = torch.cat((ids, ids[-1:].expand(width - n)))
+        else:
+            ids = ids.clone()
+        out = self.compiled.fn(input_ids=ids.view(1, width), past_key_values=self._cache, use_cache=True,
+                               output_hidden_states=True, logits_to_keep=0)
+        if width > n:
+            truncate_cache(self._cache, start + n)
+        return out
 
     @property
     def vocab_size(self) -> int:
