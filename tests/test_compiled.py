@@ -144,3 +144,30 @@ def test_compile_refused_on_llama_cpp_and_decides_auto_for_transformers(monkeypa
     with pytest.raises(RuntimeError, match="stop here"):
         backends.load_target("some.gguf", compile="auto")
     assert asked["needs_transformers"] is True  # --compile is never silently dropped by auto choosing llama.cpp
+
+
+def test_verify_costs_are_timed_at_both_ends_of_each_bucket(monkeypatch):
+    """Every k of a bucket runs one graph, so a compiled target's verify cost is a step function of k:
+    the cost table is timed at both ends of each bucket, and its interpolation then gives every k its
+    graph's cost (timed at VERIFY_KS alone, k = 9 would read 12.5 for a graph costing 10)."""
+    from types import SimpleNamespace
+
+    from diffspec import costs
+
+    monkeypatch.setattr(C, "WIDTH_BUCKETS", (1, 2, 4, 10, 20))
+    ks = costs.verify_ks_for(SimpleNamespace(compiled=C.CompiledPasses("on", fn=object(), shapes=None)))
+    assert set(costs.VERIFY_KS) <= set(ks) and {4, 9, 10, 19} <= set(ks)
+    for eager in (C.CompiledPasses("off"), C.CompiledPasses("auto", fn=object(), shapes={(1, True)})):
+        assert costs.verify_ks_for(SimpleNamespace(compiled=eager)) == costs.VERIFY_KS
+    assert costs.verify_ks_for(SimpleNamespace()) == costs.VERIFY_KS  # a backend without compiled passes
+
+    def graph_cost(k):  # seconds of the graph that runs k drafts; eager (linear) past the widest
+        return float(C.bucket(k + 1) or 2 * (k + 1))
+
+    table = costs.CostTable(ks=ks, contexts=(64,), verify_s=(tuple(graph_cost(k) for k in ks),))
+    assert [table.verify(k, 64) for k in range(20)] == [graph_cost(k) for k in range(20)]
+    # a table timed at VERIFY_KS alone (before the buckets) is not read back for such a target
+    plain = SimpleNamespace(device=torch.device("cpu"), name="m", dtype=torch.float32, backend="transformers",
+                            fingerprint="f", compiled=C.CompiledPasses("off"))
+    bucketed = SimpleNamespace(**{**vars(plain), "compiled": C.CompiledPasses("on", fn=object(), shapes=None)})
+    assert costs.verify_key(plain) != costs.verify_key(bucketed)

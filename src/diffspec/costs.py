@@ -193,14 +193,36 @@ def _write(path: Path, d: dict) -> None:
 
 # --- measuring ---------------------------------------------------------------------------------
 def verify_key(target) -> str:
-    return cache_key("verify", machine_key(target.device), target.name, str(target.dtype), target.backend,
-                     target.fingerprint)
+    parts = [machine_key(target.device), target.name, str(target.dtype), target.backend, target.fingerprint]
+    ks = verify_ks_for(target)
+    if ks != VERIFY_KS:  # timed at more ks (bucketed compiled widths): a table timed at VERIFY_KS alone is stale
+        parts.append(list(ks))
+    return cache_key("verify", *parts)
 
 
-def measure_verify_costs(target, ks: Sequence[int] = VERIFY_KS, contexts: Sequence[int] = CONTEXTS, reps: int = 3,
+def verify_ks_for(target) -> tuple:
+    """The draft lengths k a target's verify pass is timed at: VERIFY_KS, plus, where its passes run
+    in bucketed compiled widths (compiled.py), both ends of each bucket. Every k of a bucket runs one
+    graph at one cost, so the cost is a step function of k; with both ends measured, the table's
+    linear interpolation follows the steps instead of drawing a slope across them."""
+    ks = set(VERIFY_KS)
+    compiled = getattr(target, "compiled", None)
+    if compiled is not None and getattr(compiled, "fn", None) is not None:
+        from .compiled import WIDTH_BUCKETS
+
+        below = 0
+        for width in WIDTH_BUCKETS:  # a graph of `width` rows serves k = below .. width - 1
+            if compiled.runs((width, True)):
+                ks.update((below, width - 1))
+            below = width
+    return tuple(sorted(ks))
+
+
+def measure_verify_costs(target, ks: Optional[Sequence[int]] = None, contexts: Sequence[int] = CONTEXTS, reps: int = 3,
                          progress: bool = False) -> CostTable:
-    """Time target.forward over 1 + k tokens after a context of c tokens, for each (c, k). The target's
-    cache is reset before and after (call it between requests)."""
+    """Time target.forward over 1 + k tokens after a context of c tokens, for each (c, k) (ks: by default
+    `verify_ks_for(target)`). The target's cache is reset before and after (call it between requests)."""
+    ks = verify_ks_for(target) if ks is None else ks
     ks = [k for k in ks if k + 2 <= target.max_context]  # at least one context token before the pass
     if len(ks) < 2:
         raise DiffspecError(f"the model's context ({target.max_context} tokens) is too short to time verify passes")
