@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .backends import auto_keeps, check_backend_settings, choose_backend, load_target
+from .backends import asks_for_transformers, auto_keeps, check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
 from .drafters import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
@@ -47,7 +47,7 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     target = None
     if backend == "auto":  # resolved first, so one loaded target serves every engine that resolves alike
         chosen = choose_backend(model, torch_dtype, device, max_context, quiet, drafters=(drafter,),
-                                needs_transformers=kernels != "auto" or compile != "off")
+                                needs_transformers=asks_for_transformers(kernels, compile))
         if chosen == "llama.cpp":
             target = _shared_target(model, dtype, torch_dtype, device, max_context, chosen, quiet, kernels, compile)
             if not auto_keeps(target, (drafter,), quiet):

@@ -174,8 +174,7 @@ class Target(TargetBase):
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
         or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
         `compile` (compiled.py): 'off', 'on' (every pass of up to 32 rows, in bucketed widths compiled at
-        start) or 'auto'
-        (the one-row pass compiled at start and kept where it measures faster)."""
+        start) or 'auto' (the one-row pass compiled at start and kept where it measures faster)."""
         from . import compiled as comp
         from . import kernels as kern
 

@@ -38,6 +38,12 @@ def check_backend(name: str) -> None:
         raise DiffspecError(f"unknown backend '{name}' (choose from: {', '.join(BACKENDS)})")
 
 
+def asks_for_transformers(kernels: str = "auto", compile: str = "off") -> bool:
+    """Whether a transformers-only setting was asked for by name: `--backend auto` then decides for
+    transformers (such a setting is never silently dropped by choosing llama.cpp)."""
+    return kernels != "auto" or compile != "off"
+
+
 def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype, device: str,
                            kernels: str = "auto", compile: str = "off") -> None:
     """Refuse, before any model loads, settings the named backend would not honour."""
@@ -99,9 +105,8 @@ def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.
     check_backend_settings(backend, spec, dtype, device, kernels, compile)
     chosen = backend
     if backend == "auto":
-        # a transformers-only setting asked for by name decides for transformers (never silently dropped)
-        asks_transformers = needs_transformers or kernels != "auto" or compile != "off"
-        chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters, asks_transformers)
+        chosen = choose_backend(spec, dtype, device, max_context, quiet, drafters,
+                                needs_transformers or asks_for_transformers(kernels, compile))
     if chosen == "llama.cpp":
         target = LlamaCppTarget.load(spec, max_context=max_context, quiet=quiet)
         if backend != "auto" or auto_keeps(target, drafters, quiet):
