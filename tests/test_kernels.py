@@ -338,3 +338,79 @@ def test_hf_generate_method_runs_transformers_own_kernels(mm_calls):
     assert len(outcome.token_ids) == 6 and not mm_calls
     target.forward(torch.tensor([5]))
     assert mm_calls, "the routing was not put back after hf-generate"
+
+
+@pytest.fixture()
+def sdpa_calls(monkeypatch):
+    """(query rows, key/value heads, enable_gqa) of every scaled_dot_product_attention call."""
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        calls.append((query.shape[-2], key.shape[1], bool(kwargs.get("enable_gqa", False))))
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_gqa_attention_shares_heads_in_the_kernel_and_equals_repeat_kv_bitwise(sdpa_calls):
+    """attention.py: under --kernels auto a GQA model's passes of 2+ rows (verify passes: they carry a
+    mask) hand the kernel the key/value heads as cached, no repeat_kv copy; their logits equal those
+    of transformers' route bitwise, at every width, before and after a rollback. One-row eager steps
+    keep transformers' own route (plain decoding untouched); stock kernels and hf-generate keep sdpa."""
+    from diffspec import attention
+
+    model = make_model(70, seed=5, dtype=torch.float32)
+    assert attention.applies(model) and model.config.num_key_value_heads < model.config.num_attention_heads
+    gqa = Target(model, kernels="auto")
+    assert model.config._attn_implementation == attention.GQA_SDPA
+    assert gqa.runtime()["attention"] == attention.GQA_SDPA
+    ref = Target(make_model(70, seed=5, dtype=torch.float32))  # stock: transformers' sdpa
+    assert ref.model.config._attn_implementation == "sdpa"
+    fingerprint = gqa.base_fingerprint
+    attention.uninstall(model)
+    gqa._fingerprint = None
+    assert gqa.base_fingerprint != fingerprint  # another attention kernel, other cost tables
+    attention.install(model)
+    gqa._fingerprint = None
+    ids = torch.randint(3, 70, (60,), generator=torch.Generator().manual_seed(0))
+    K.uninstall(gqa.model)  # linear layers as in ref: only the attention differs
+    for t in (gqa, ref):
+        t.reserve(60)
+        t.forward(ids[:20], logits=False)
+    for width in (2, 3, 5, 8, 1):
+        sdpa_calls.clear()
+        got, want = gqa.forward(ids[20:20 + width]).logits, ref.forward(ids[20:20 + width]).logits
+        assert torch.equal(got, want), width
+        layers = model.config.num_hidden_layers
+        mine, theirs = sdpa_calls[:layers], sdpa_calls[layers:]
+        if width > 1:
+            assert all(kv == 2 and flag for _, kv, flag in mine), mine  # the cached heads, shared in the kernel
+            assert all(kv == 4 and not flag for _, kv, flag in theirs), theirs  # transformers' repeat_kv copy
+        else:
+            assert [c[1:] for c in mine] == [c[1:] for c in theirs]  # one-row eager: transformers' own route
+        for t in (gqa, ref):
+            t.truncate(20 + width // 2)  # rollback, then the next pass from there
+        ids = torch.cat((ids[:20 + width // 2], ids[20 + width // 2:].roll(1)))
+    with K.stock_kernels(gqa.model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.GQA_SDPA
+    Target(model, kernels="stock")  # stock: transformers' own, whatever ran the model before
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_gqa_attention_applies_only_to_grouped_heads_on_a_cpu():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from diffspec import attention
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    plain_heads = LlamaForCausalLM(cfg).eval()
+    assert not attention.applies(plain_heads)
+    Target(plain_heads, kernels="auto")
+    assert plain_heads.config._attn_implementation == "sdpa"
+    grouped = make_model(50, dtype=torch.float32)
+    grouped.config._attn_implementation = "eager"  # a user's choice of attention is left alone
+    assert not attention.applies(grouped) and not attention.install(grouped)
+    assert grouped.config._attn_implementation == "eager"

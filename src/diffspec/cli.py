@@ -274,7 +274,9 @@ def add_backend_option(parser) -> None:
                              "formulation measured faster on this machine for the pass's row count, one-row steps "
                              "included (plain decoding may then differ from transformers' eager forward in the last "
                              "bits; measured once, cached); multi-row does so for passes of 2+ rows only (one-row "
-                             "steps stay transformers' own, bitwise); stock runs F.linear everywhere")
+                             "steps stay transformers' own, bitwise); both also let a GQA model's attention share its "
+                             "key/value heads in the kernel (no cache copy; bitwise the same); stock runs F.linear "
+                             "and transformers' own attention everywhere")
     from .compiled import COMPILE_MODES
 
     parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),

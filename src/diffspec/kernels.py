@@ -27,8 +27,10 @@ The modes (`--kernels`):
 - `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear, so
   plain decoding is bitwise transformers' eager forward.
 - `stock`: F.linear everywhere.
-`stock_kernels(model)` runs a block with F.linear everywhere (the bench's `hf-generate` method: what
-users run today).
+Under `auto` and `multi-row` a GQA model's attention on a CPU also shares its key/value heads inside
+the kernel instead of copying the cache for every pass of 2+ rows (attention.py; bitwise the same
+output). `stock_kernels(model)` runs a block with F.linear everywhere and transformers' own attention
+(the bench's `hf-generate` method: what users run today).
 """
 
 from __future__ import annotations
@@ -219,14 +221,20 @@ def uninstall(model: torch.nn.Module) -> None:
 
 @contextmanager
 def stock_kernels(model: torch.nn.Module):
-    """Within the block, every linear layer of `model` runs F.linear; the routing is put back after."""
+    """Within the block, every linear layer of `model` runs F.linear and attention is transformers' own
+    sdpa (attention.py); both are put back after."""
+    from . import attention
+
     routed = {mod: mod.__dict__.pop("forward") for mods in linear_groups(model).values() for mod in mods
               if "forward" in mod.__dict__}
+    gqa = attention.uninstall(model)
     try:
         yield model
     finally:
         for mod, forward in routed.items():
             mod.forward = forward
+        if gqa:
+            attention.install(model)
 
 
 def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> LinearPlan:

@@ -175,6 +175,7 @@ class Target(TargetBase):
         or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
         `compile` (compiled.py): 'off', 'on' (every pass of up to 32 rows, in bucketed widths compiled at
         start) or 'auto' (the one-row pass compiled at start and kept where it measures faster)."""
+        from . import attention
         from . import compiled as comp
         from . import kernels as kern
 
@@ -200,6 +201,9 @@ class Target(TargetBase):
         if kernels != "stock" and self.device.type == "cpu":
             self.linear_plan = kern.plan_for_mode(model, kernels, quiet=quiet)
             kern.install(model, self.linear_plan)
+            attention.install(model)  # GQA without copying the cache (attention.py)
+        elif kernels == "stock":
+            attention.uninstall(model)  # transformers' own, whatever ran this model before
         self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet)
         if compile == "auto":
             comp.choose_one_row(self)
@@ -289,17 +293,20 @@ class Target(TargetBase):
 
     def runtime(self) -> dict:
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
-        return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(), "compile": self.compiled.to_json()}
+        return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
+                "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json()}
 
     @property
     def base_fingerprint(self) -> str:
-        """Equal for two targets with the same weights and matmul kernels (compiled or not)."""
+        """Equal for two targets with the same weights, matmul kernels and attention (compiled or not)."""
         if self._fingerprint is None:
             from .costs import model_fingerprint
             self._fingerprint = model_fingerprint(self.model)
+            from .costs import cache_key
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
-                from .costs import cache_key
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
+            if self.model.config._attn_implementation != "sdpa":
+                self._fingerprint = cache_key(self._fingerprint, self.model.config._attn_implementation)
         return self._fingerprint
 
     @property
