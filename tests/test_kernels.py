@@ -414,3 +414,23 @@ def test_gqa_attention_applies_only_to_grouped_heads_on_a_cpu():
     grouped.config._attn_implementation = "eager"  # a user's choice of attention is left alone
     assert not attention.applies(grouped) and not attention.install(grouped)
     assert grouped.config._attn_implementation == "eager"
+
+
+def test_gqa_attention_stays_with_the_target(monkeypatch):
+    """A block drafter's body copied from a target's config gets transformers' sdpa back (the target's
+    attention is an inference route, not the drafter's: its training runs transformers' own), and a
+    config whose head counts cannot be read as one number is left alone instead of crashing."""
+    from diffspec import attention
+    from diffspec.training.block import make_block_body
+
+    target = Target(make_model(70, dtype=torch.float32), kernels="auto")
+    assert target.model.config._attn_implementation == attention.GQA_SDPA
+    body = make_block_body(target.model, 1)
+    body = body[0] if isinstance(body, tuple) else body
+    assert body.config._attn_implementation == "sdpa"
+    assert target.model.config._attn_implementation == attention.GQA_SDPA
+
+    model = make_model(70, dtype=torch.float32)
+    monkeypatch.setattr(type(model.config), "num_key_value_heads",
+                        property(lambda self: (_ for _ in ()).throw(RuntimeError("per-layer"))), raising=False)
+    assert not attention.applies(model)

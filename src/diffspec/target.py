@@ -202,7 +202,7 @@ class Target(TargetBase):
             self.linear_plan = kern.plan_for_mode(model, kernels, quiet=quiet)
             kern.install(model, self.linear_plan)
             attention.install(model)  # GQA without copying the cache (attention.py)
-        elif kernels == "stock":
+        else:
             attention.uninstall(model)  # transformers' own, whatever ran this model before
         self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet)
         if compile == "auto":

@@ -23,11 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import GQA_SDPA
 
 
 def make_block_body(target_model, layers: int):
     """Target architecture, `layers` layers, vocabulary + 1 (mask id = target vocab size). -> (model, mask id)."""
     cfg = copy.deepcopy(target_model.config)
+    if cfg._attn_implementation == GQA_SDPA:
+        cfg._attn_implementation = "sdpa"  # the target's inference-only attention (attention.py) stays with it
     n_target = cfg.num_hidden_layers
     vocab = target_model.get_output_embeddings().weight.shape[0]
     cfg.num_hidden_layers = layers
