@@ -63,11 +63,6 @@ def _register() -> None:
     _registered = True
 
 
-def _configs(model: torch.nn.Module) -> list:
-    config = model.config
-    return [c for c in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values()]
-
-
 def applies(model: torch.nn.Module) -> bool:
     """An sdpa model on a CPU whose attention shares key/value heads."""
     text = model.config.get_text_config(decoder=True)
@@ -86,8 +81,7 @@ def install(model: torch.nn.Module) -> bool:
     if not applies(model):
         return model.config._attn_implementation == GQA_SDPA
     _register()
-    for config in _configs(model):
-        config._attn_implementation = GQA_SDPA
+    model.config._attn_implementation = GQA_SDPA  # transformers' setter sets it on the sub-configs too
     return True
 
 
@@ -95,6 +89,5 @@ def uninstall(model: torch.nn.Module) -> bool:
     """Put transformers' sdpa back; returns whether GQA_SDPA was installed."""
     if model.config._attn_implementation != GQA_SDPA:
         return False
-    for config in _configs(model):
-        config._attn_implementation = "sdpa"
+    model.config._attn_implementation = "sdpa"
     return True

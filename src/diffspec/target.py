@@ -300,9 +300,8 @@ class Target(TargetBase):
     def base_fingerprint(self) -> str:
         """Equal for two targets with the same weights, matmul kernels and attention (compiled or not)."""
         if self._fingerprint is None:
-            from .costs import model_fingerprint
+            from .costs import cache_key, model_fingerprint
             self._fingerprint = model_fingerprint(self.model)
-            from .costs import cache_key
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
             if self.model.config._attn_implementation != "sdpa":
