@@ -9,13 +9,14 @@ difference compiled vs eager per k.
 """
 import json
 import sys
-import time
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache
 
 from diffspec import kernels as K
 from diffspec.target import Target
+from passes import median_pass_ms, on_context
 
 torch.set_num_threads(2)
 import diffspec.compiled as C
@@ -26,24 +27,10 @@ ctx = 256
 
 
 def measure(k, mode, reps=5):
-    t.reset()
-    if mode == "before":
-        t._cache = DynamicCache(config=t.model.config)
-    t.reserve(ctx + 80)
-    t.forward(ids[:ctx], logits=False)
+    on_context(t, ids, ctx, cache=DynamicCache(config=t.model.config) if mode == "before" else None)
     t.compiled.shapes = None if mode == "compiled" else set()
-    ts, logits = [], None
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        if mode == "before":
-            with K.stock_kernels(t.model):
-                logits = t.forward(ids[ctx:ctx + k + 1]).logits
-        else:
-            logits = t.forward(ids[ctx:ctx + k + 1]).logits
-        ts.append(time.perf_counter() - t0)
-        t.truncate(ctx)
-    ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3, logits
+    return median_pass_ms(t, ids, ctx, k, reps, each=(lambda: K.stock_kernels(t.model)) if mode == "before"
+                          else nullcontext)
 
 
 res = {}

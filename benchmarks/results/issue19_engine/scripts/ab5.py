@@ -15,13 +15,13 @@ freezing passes pack into mkldnn/MKL linears; otherwise the measured --kernels a
 import contextlib
 import json
 import sys
-import time
 
 import torch
 
 from diffspec import kernels as K
 import diffspec.compiled as C
 from diffspec.target import Target
+from passes import median_pass_ms, on_context
 
 torch.set_num_threads(2)
 VARIANTS = {
@@ -45,20 +45,10 @@ TURNS = 5
 
 
 def measure(k, mode, reps=5):
-    t.reset()
-    t.reserve(ctx + 80)
-    t.forward(ids[:ctx], logits=False)
+    on_context(t, ids, ctx)
     t.compiled.shapes = None if mode == "compiled" else set()
-    kernels = K.stock_kernels(t.model) if stock and mode == "compiled" else contextlib.nullcontext()
-    ts, logits = [], None
-    with kernels:
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            logits = t.forward(ids[ctx:ctx + k + 1]).logits
-            ts.append(time.perf_counter() - t0)
-            t.truncate(ctx)
-    ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3, logits
+    with K.stock_kernels(t.model) if stock and mode == "compiled" else contextlib.nullcontext():
+        return median_pass_ms(t, ids, ctx, k, reps)
 
 
 res = {}

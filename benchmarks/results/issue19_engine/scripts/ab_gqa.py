@@ -8,12 +8,12 @@ width, compiled on the first pass; k = 0, 3, 15), where the logits are compared 
 """
 import json
 import sys
-import time
 
 import torch
 
 from diffspec import attention
 from diffspec.target import Target
+from passes import median_pass_ms, on_context
 
 torch.set_num_threads(2)
 compiled = "--compiled" in sys.argv
@@ -28,17 +28,8 @@ TURNS = 5
 
 def measure(ctx, k, gqa, reps=5):
     (attention.install if gqa else attention.uninstall)(t.model)
-    t.reset()
-    t.reserve(ctx + 40)
-    t.forward(ids[:ctx], logits=False)
-    ts = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        logits = t.forward(ids[ctx:ctx + k + 1]).logits
-        ts.append(time.perf_counter() - t0)
-        t.truncate(ctx)
-    ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3, logits
+    on_context(t, ids, ctx, room=40)
+    return median_pass_ms(t, ids, ctx, k, reps)
 
 
 res = {}
