@@ -43,7 +43,7 @@ def main() -> int:
     lines = [f"# Shipped {args.kind} drafter for {args.target}", "",
              f"- weights: fp16 safetensors, {weights.stat().st_size / 2 ** 20:.1f} MB (the target's embeddings and "
              "LM head are shared, not stored)",
-             f"- architecture: {req['layers']} layer(s), block {req['block_size']}, draft vocabulary "
+             f"- architecture: {rec.get('layers') or req['layers']} layer(s), block {req['block_size']}, draft vocabulary "
              f"{rec.get('draft_vocab')} tokens ({100 * rec.get('draft_vocab_coverage', 1):.1f}% of the target's choices)",
              f"- data: token store of {data.get('prompts_done')} prompts answered by the target itself "
              f"({rec.get('train_sequences')} training sequences, {rec.get('train_response_tokens')} response tokens; "
@@ -54,6 +54,7 @@ def main() -> int:
              f"({rec.get('train_dtype', 'float32')} matmuls: {rec.get('train_dtype_choice', '')})",
              f"- health check (eval-drafter, greedy, block {req['block_size']}, bonus counted): tau {taus or 'n/a'}; "
              f"held-out store sequences tau {(rec.get('held_out') or {}).get('overall', {}).get('tau')}",
+             *([f"- started from the drafter in {rec['init_drafter']} (--init-drafter)"] if rec.get("init_drafter") else []),
              f"- machine: {json.dumps(rec.get('machine', {}))}", "",
              "Request (`diffspec train-drafter` options):", "", "```json", json.dumps(req, indent=1), "```", ""]
     if args.notes:

@@ -364,3 +364,30 @@ def test_feature_cache_runs_the_target_once_per_sequence(tmp_path, tiny_model_di
     seen = [i for c in calls for i in c]
     assert record["epochs"] == pytest.approx(2.0) and sorted(seen) == sorted(set(seen))  # never twice
     assert len(seen) == record["train_sequences"]
+
+
+def test_init_drafter_continues_from_a_trained_drafter(tmp_path, tiny_model_dir, store):
+    """--init-drafter starts from a trained drafter's weights and shape at another block size: its first
+    loss is the trained drafter's loss (far below a fresh start's), the draft vocabulary is kept, and
+    a shape asked for that differs from the drafter's is refused before the target loads."""
+    from diffspec import DiffspecError
+    first = train_drafter(request(tmp_path / "a", tiny_model_dir, store, steps=60, draft_vocab=24))
+    fresh = train_drafter(request(tmp_path / "fresh", tiny_model_dir, store, steps=1, draft_vocab=24, block_size=6))
+    cont = train_drafter(request(tmp_path / "b", tiny_model_dir, store, steps=1, block_size=6, lr=1e-12,
+                                 init_drafter=str(tmp_path / "a" / "drafter")))
+    assert cont["init_drafter"] == str(tmp_path / "a" / "drafter") and cont["init_tensors_from_target"] == 0
+    assert cont["draft_vocab"] == 24 and cont["layers"] == first["layers"]
+    a, b = (load_drafter(tmp_path / d / "drafter").model for d in ("a", "b"))
+    assert torch.equal(a.draft_token_ids, b.draft_token_ids) and b.cfg.block_size == 6
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):  # lr ~0: the weights are a's
+        assert torch.allclose(p.float(), q.float(), atol=1e-3), name
+    trained = losses(tmp_path / "a")
+    assert losses(tmp_path / "b")[0] < losses(tmp_path / "fresh")[0], (trained[:3], trained[-3:])
+    with pytest.raises(DiffspecError, match="--layers 3 differs from the drafter"):
+        train_drafter(request(tmp_path / "c", tiny_model_dir, store, steps=1, layers=3,
+                              init_drafter=str(tmp_path / "a" / "drafter")))
+    with pytest.raises(DiffspecError, match="drafter folder not found"):
+        train_drafter(request(tmp_path / "c", tiny_model_dir, store, steps=1, init_drafter=str(tmp_path / "none")))
+    with pytest.raises(DiffspecError, match="applies to --kind conditioned"):
+        train_drafter(request(tmp_path / "c", tiny_model_dir, store, steps=1, kind="block",
+                              init_drafter=str(tmp_path / "a" / "drafter")))

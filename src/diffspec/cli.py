@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=int, default=None, help="budget in supervised draft slots")
     t.add_argument("--steps", type=int, default=None, help="budget in optimizer steps")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--layers", type=int, default=2, help="drafter layers (1-5 is the usual range)")
+    t.add_argument("--layers", type=int, default=None,
+                   help="drafter layers (1-5 is the usual range; default 2, or --init-drafter's)")
     t.add_argument("--anchors", type=int, default=512, help="anchor positions per sequence per step (at most)")
     t.add_argument("--batch-sequences", type=int, default=8, help="sequences per optimizer step (the global batch)")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -97,8 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--objective", default="target", choices=["target", "corpus"],
                    help="labels: the target's own next tokens (aligned) or the data tokens")
-    t.add_argument("--draft-vocab", type=int, default=8192,
-                   help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192)")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192, "
+                        "or --init-drafter's)")
+    t.add_argument("--init-drafter", default=None, metavar="DRAFTER",
+                   help="start from this conditioned drafter's weights and shape (a folder, or 'shipped': the one "
+                        "that ships for the target) instead of the target's first layers; its block size may differ")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
@@ -313,7 +318,8 @@ def _train(args) -> int:
                        slot_decay=args.slot_decay, grad_clip=args.grad_clip, objective=args.objective,
                        seed=args.seed, device=args.device, train_dtype=args.train_dtype,
                        feature_cache=args.feature_cache, resume=args.resume, draft_vocab=args.draft_vocab,
-                       init_from_target=not args.no_init_from_target, held_out=args.held_out,
+                       init_from_target=not args.no_init_from_target, init_drafter=args.init_drafter,
+                       held_out=args.held_out,
                        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, eval_anchors=args.eval_anchors,
                        data_fraction=args.data_fraction)
     record = train_drafter(req)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DiffspecError
+from .timing import median_seconds
 
 KERNELS = ("auto", "multi-row", "stock")
 #: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
@@ -130,16 +130,6 @@ def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 @torch.inference_mode()
 def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
     """Time F.linear against mm(W, x^T) for every weight shape and row bucket (see the module docstring)."""
@@ -158,7 +148,7 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
                 for w in weights:
                     mm_linear(x, w, None)
 
-            t_stock, t_mm = _time(stock, reps), _time(flipped, reps)
+            t_stock, t_mm = median_seconds(stock, reps), median_seconds(flipped, reps)
             rows_t[rows] = [round(t_stock / len(weights) * 1e6, 1), round(t_mm / len(weights) * 1e6, 1)]
             wins = t_mm < MARGIN * t_stock
             if rows == 1:  # one row is its own decision (another kernel than the multi-row ones)

@@ -33,7 +33,8 @@ from ..cache import check_rollback, common_prefix_length, full_cache, truncate_c
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
-from .dtype_choice import ChoosesDtype, median_ms
+from ..timing import median_ms
+from .dtype_choice import ChoosesDtype
 from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, logits_of_rows, select_unmask
 
 

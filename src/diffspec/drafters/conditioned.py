@@ -31,7 +31,8 @@ from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
-from .dtype_choice import ChoosesDtype, median_ms
+from ..timing import median_ms
+from .dtype_choice import ChoosesDtype
 
 
 def default_target_layers(num_target_layers: int, count: int = 3) -> list:

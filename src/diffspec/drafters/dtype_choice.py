@@ -15,13 +15,11 @@ as at load) and `_time_step()` (median milliseconds of one draft step).
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from typing import Optional
 
 import torch
 
-from ..devices import parse_dtype, synchronize
+from ..devices import parse_dtype
 
 
 class ChoosesDtype:
@@ -63,15 +61,3 @@ class ChoosesDtype:
 
     def _dtype_text(self) -> str:
         return self.dtype_note or str(next(self.model.parameters()).dtype).replace("torch.", "")
-
-
-def median_ms(step, device, repeats: int = 5, warmup: int = 2) -> float:
-    """Median wall-clock milliseconds of `step()` after `warmup` untimed calls (device-synchronized)."""
-    times = []
-    for _ in range(warmup + repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[warmup:])

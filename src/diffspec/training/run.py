@@ -33,6 +33,7 @@ from ..devices import check_device_available
 from ..drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
 from ..drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from ..errors import DiffspecError
+from ..timing import min_seconds
 from .anchored import AnchoredLoss
 from .batches import PaddedBatch, epoch_batches, pad_batch, rank_share, sample_anchors, target_features
 from .block import BlockDiffusionLoss, make_block_body, noise_batch
@@ -57,7 +58,7 @@ class TrainRequest:
     max_tokens: Optional[int] = None    # supervised slots
     steps: Optional[int] = None
     block_size: int = 16
-    layers: int = 2
+    layers: Optional[int] = None        # drafter layers (None: 2, or those of init_drafter)
     anchors: int = 512                  # anchors per sequence per step (at most)
     batch_sequences: int = 8            # sequences per optimizer step (the global batch)
     lr: float = 6e-4
@@ -73,8 +74,9 @@ class TrainRequest:
     resume: bool = False
     checkpoint_every_s: float = 60.0
     mask_token_id: Optional[int] = None
-    draft_vocab: int = 8192             # 0 = the full vocabulary
+    draft_vocab: Optional[int] = None   # draft tokens (0 = the full vocabulary; None: 8192, or init_drafter's)
     init_from_target: bool = True
+    init_drafter: Optional[str] = None  # start from this conditioned drafter (a folder, or 'shipped'): its shape and weights
     held_out: int = 64                  # store sequences held out (at most; ~5% of a small store)
     eval_prompts: int = 10              # health check: prompts per evaluation set (0: skip)
     eval_tokens: int = 128              # health check: tokens the target answers per prompt
@@ -84,7 +86,8 @@ class TrainRequest:
 
 # what a resumed run must share with the run that wrote the checkpoint (the batches, anchors and model depend on them)
 RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
-                 "objective", "draft_vocab", "held_out")
+                 "objective", "draft_vocab", "held_out", "init_drafter")
+DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB = 2, 8192
 
 
 def _say(req: TrainRequest, msg: str, world: World = World()) -> None:
@@ -105,7 +108,7 @@ def validate(req: TrainRequest) -> None:
     check_device_available(req.device)
     if req.train_dtype not in ("auto", "float32", "bfloat16"):
         raise DiffspecError(f"unknown --train-dtype '{req.train_dtype}' (choose from: auto, float32, bfloat16)")
-    if req.block_size < 2 or req.layers < 1 or req.anchors < 1 or req.batch_sequences < 1:
+    if req.block_size < 2 or (req.layers is not None and req.layers < 1) or req.anchors < 1 or req.batch_sequences < 1:
         raise DiffspecError("need --block-size >= 2, --layers >= 1, --anchors >= 1, --batch-sequences >= 1")
     if req.seq_len < req.block_size + 1:
         raise DiffspecError(f"--seq-len {req.seq_len} leaves no room for a block of {req.block_size}")
@@ -123,6 +126,10 @@ def validate(req: TrainRequest) -> None:
                             "building the store while the others wait would outlast the process group's timeout")
     if req.batch_sequences < world:
         raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world} processes")
+    if req.draft_vocab is not None and req.draft_vocab < 0:
+        raise DiffspecError(f"--draft-vocab must be >= 0, got {req.draft_vocab}")
+    if req.init_drafter is not None:
+        init_drafter_config(req)  # a missing folder or a mismatched shape is named before the target loads
     if req.feature_cache and req.kind != "conditioned":
         raise DiffspecError("--feature-cache applies to --kind conditioned (the block kind reads no target features)")
     if req.eval_prompts:
@@ -137,6 +144,41 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"--max-prompts must be positive, got {req.max_prompts}")
 
 
+def init_drafter_path(req: TrainRequest) -> Path:
+    """The folder --init-drafter names: a path, or 'shipped' (the drafter that ships for the target)."""
+    from ..checkpoint import shipped_drafter_path
+    from ..models import DEFAULT_MODEL
+
+    if req.init_drafter == "shipped":
+        path = shipped_drafter_path(req.target or DEFAULT_MODEL, "conditioned")
+        if path is None:
+            raise DiffspecError(f"--init-drafter shipped: no conditioned drafter ships for {req.target or DEFAULT_MODEL}")
+        return path
+    return Path(req.init_drafter).expanduser()
+
+
+def init_drafter_config(req: TrainRequest) -> dict:
+    """--init-drafter's config.json, checked against the request: a conditioned diffspec drafter whose
+    layer count and draft vocabulary are the ones asked for (when asked). -> the config."""
+    from ..checkpoint import _read_config
+
+    if req.kind != "conditioned":
+        raise DiffspecError("--init-drafter applies to --kind conditioned")
+    if req.init_from_target is False:
+        raise DiffspecError("--init-drafter and --no-init-from-target ask for two different starts: give one")
+    path = init_drafter_path(req)
+    config = _read_config(path)
+    meta = config.get("diffspec") or {}
+    if meta.get("kind") != "conditioned":
+        raise DiffspecError(f"--init-drafter {path}: not a conditioned diffspec drafter (kind {meta.get('kind')!r})")
+    theirs = {"--layers": config.get("num_hidden_layers"), "--draft-vocab": int(meta.get("draft_vocab", 0))}
+    for flag, asked in (("--layers", req.layers), ("--draft-vocab", req.draft_vocab)):
+        if asked is not None and asked != theirs[flag]:
+            raise DiffspecError(f"{flag} {asked} differs from the drafter --init-drafter loads ({path}: "
+                                f"{flag} {theirs[flag]}); leave {flag} out to keep the drafter's")
+    return config
+
+
 def choose_train_dtype(requested: str, device: str, width: int = 576, vocab: int = 8192) -> tuple:
     """-> (autocast dtype, why). `auto` measures instead of assuming: bf16 matmuls are ~2x faster than fp32
     on CPUs with AVX512-BF16/AMX and several times slower on AVX2-only ones; on CUDA bf16 is used when supported."""
@@ -149,12 +191,7 @@ def choose_train_dtype(requested: str, device: str, width: int = 576, vocab: int
 
     def best(dtype) -> float:
         x, y = a.to(dtype), b.to(dtype)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            x @ y.T
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])
+        return min_seconds(lambda: x @ y.T, repeats=4)
     fp32, bf16 = best(torch.float32), best(torch.bfloat16)
     why = f"measured {512}x{width}x{vocab} matmul: fp32 {1000 * fp32:.1f} ms, bf16 {1000 * bf16:.1f} ms"
     return (torch.bfloat16 if bf16 * 1.25 < fp32 else torch.float32), why
@@ -204,24 +241,65 @@ class ConditionedTrainer:
     def __init__(self, req: TrainRequest, target, train: list, device: str):
         self.req, self.target, self.device = req, target, device
         mask = req.mask_token_id if req.mask_token_id is not None else (target.tokenizer.pad_token_id or 0)
-        draft_vocab = req.draft_vocab if 0 < req.draft_vocab < target.vocab_size else 0
-        cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask, num_hidden_layers=req.layers,
-                                           block_size=req.block_size, draft_vocab=draft_vocab)
-        coverage = 1.0
-        if draft_vocab:
-            ids, coverage = choose_draft_vocab(train, draft_vocab, target.vocab_size, sorted(target.stop_token_ids))
-            cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
-        self.model = ConditionedDraftModel(cfg).to(device)
-        if draft_vocab:
-            self.model.draft_token_ids.copy_(ids)
-        copied = init_from_target(self.model, target.model) if req.init_from_target else 0
+        self.record = {}
+        if req.init_drafter is not None:
+            self.model, cfg, coverage = self._from_drafter(target, train, device)
+            copied = 0
+        else:
+            asked = DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab
+            draft_vocab = asked if 0 < asked < target.vocab_size else 0
+            cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask,
+                                               num_hidden_layers=req.layers or DEFAULT_LAYERS,
+                                               block_size=req.block_size, draft_vocab=draft_vocab)
+            coverage = 1.0
+            if draft_vocab:
+                ids, coverage = choose_draft_vocab(train, draft_vocab, target.vocab_size, sorted(target.stop_token_ids))
+                cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
+            self.model = ConditionedDraftModel(cfg).to(device)
+            if draft_vocab:
+                self.model.draft_token_ids.copy_(ids)
+            copied = init_from_target(self.model, target.model) if req.init_from_target else 0
         self.layer_ids = cfg.target_layer_ids
         self.embed_weight = target.model.get_input_embeddings().weight.detach()
         self.head_weight = target.model.get_output_embeddings().weight.detach()
         self.loss_module = AnchoredLoss(self.model, req.objective, req.slot_decay)
         self.cache: dict = {}
-        self.record = {"init_tensors_from_target": copied, "draft_vocab": cfg.draft_vocab,
-                       "draft_vocab_coverage": round(coverage, 4), "target_layer_ids": list(cfg.target_layer_ids)}
+        self.record.update({"init_tensors_from_target": copied, "layers": cfg.num_hidden_layers,
+                            "draft_vocab": cfg.draft_vocab,
+                            "draft_vocab_coverage": round(coverage, 4), "target_layer_ids": list(cfg.target_layer_ids)})
+
+    def _from_drafter(self, target, train: list, device: str) -> tuple:
+        """--init-drafter: its shape (layers, target layers, draft vocabulary, mask token) and weights; the
+        block size is this run's (the weights do not depend on it). -> (model, config, draft vocab coverage)."""
+        from ..checkpoint import load_drafter
+
+        path = init_drafter_path(self.req)
+        init_drafter_config(self.req)
+        loaded = load_drafter(path)
+        mine, theirs = loaded.tokenizer_fingerprint, target.tokenizer_fingerprint
+        if mine and theirs and mine != theirs:
+            raise DiffspecError(f"--init-drafter {path} was trained for another tokenizer ({mine}) than the "
+                                f"target's ({theirs})")
+        if self.req.mask_token_id is not None and self.req.mask_token_id != loaded.model.cfg.mask_token_id:
+            raise DiffspecError(f"--mask-token-id {self.req.mask_token_id} differs from the drafter's "
+                                f"({loaded.model.cfg.mask_token_id}, {path})")
+        if loaded.model.cfg.num_target_layers != target.model.config.get_text_config(decoder=True).num_hidden_layers:
+            raise DiffspecError(f"--init-drafter {path} was made for a target with {loaded.model.cfg.num_target_layers} "
+                                f"layers; this target has another depth")
+        cfg = replace(loaded.model.cfg, block_size=self.req.block_size)
+        model = ConditionedDraftModel(cfg)
+        model.load_state_dict(loaded.model.state_dict())
+        coverage = 1.0
+        if cfg.draft_vocab:
+            total = covered = 0
+            keep = torch.zeros(target.vocab_size, dtype=torch.bool)
+            keep[model.draft_token_ids] = True
+            for ids, p in train:
+                total += ids.shape[0] - p
+                covered += int(keep[ids[p:]].sum())
+            coverage = covered / max(1, total)
+        self.record["init_drafter"] = str(path)
+        return model.float().to(device), cfg, coverage
 
     def features(self, batch: PaddedBatch) -> tuple:
         """The target's features and labels for the batch: one target pass, or the feature cache."""
@@ -255,11 +333,11 @@ class BlockTrainer:
 
     def __init__(self, req: TrainRequest, target, train: list, device: str):
         self.req, self.target, self.device = req, target, device
-        self.model, self.mask_id = make_block_body(target.model, req.layers)
+        self.model, self.mask_id = make_block_body(target.model, req.layers or DEFAULT_LAYERS)
         self.model.to(device).train()
         self.loss_module = BlockDiffusionLoss(self.model, req.block_size, req.objective)
         self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
-                       "layers": req.layers, "mask_token_id": self.mask_id}
+                       "layers": req.layers or DEFAULT_LAYERS, "mask_token_id": self.mask_id}
 
     def inputs(self, batch: PaddedBatch, epoch: int) -> tuple:
         B = self.req.block_size
