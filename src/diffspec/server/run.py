@@ -110,7 +110,7 @@ def serve_command(args) -> int:
     _require_server_packages()
     if args.max_queue < 0:
         raise DiffspecError(f"--max-queue must be >= 0, got {args.max_queue}")
-    from ..cli import policy_options
+    from ..cli_options import policy_options
 
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loaded

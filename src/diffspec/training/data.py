@@ -9,27 +9,18 @@ benchmark never scores a drafter on what it was trained on.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..datasets import SETS, load_prompts
 from ..errors import DiffspecError
+from ..packages import package_file
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
          "bard": "assistant", "bing": "assistant", "system": "system"}
-
-
-def package_file(package: str, relative: str, install: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DiffspecError(f"package '{package}' is not installed; install it with: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.is_file():
-        raise DiffspecError(f"{path} is missing; reinstall with: {install}")
-    return path
 
 
 def iter_json_array(text: str) -> Iterator[dict]:
@@ -123,8 +114,6 @@ def _key(text: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _evaluation_prompts() -> tuple:
     """Prompts of the benchmark sets that are installed (HumanEval, MT-Bench first turns, CHAMP)."""
-    from ..datasets import SETS, load_prompts
-
     texts = []
     for name in SETS:
         try:

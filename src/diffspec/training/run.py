@@ -134,7 +134,7 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError("--feature-cache applies to --kind conditioned (the block kind reads no target features)")
     if req.eval_prompts:
         from ..datasets import SETS
-        from .data import package_file
+        from ..packages import package_file
         for name in SETS:  # the health check at the end must not fail after the training
             package_file(*SETS[name])
     if req.data is not None:

@@ -1,0 +1,59 @@
+"""Checks of command-line settings that several subcommands share (generate, serve, profile,
+eval-drafter): each refuses a setting by name before any model loads. Here rather than in cli.py so
+that the subcommands living in their own modules (server/run.py, profile.py) need not import cli.py,
+which imports them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import DiffspecError
+
+
+def policy_options(args) -> dict:
+    """The --policy settings the user gave, for make_policy; one that the chosen policy would not read
+    (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
+    given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
+             "recalibrate": True if getattr(args, "recalibrate", False) else None}
+    reads = {"fixed": {"gamma"}, "failfast": {"tau", "n", "n_max"}, "auto": {"recalibrate"}}[args.policy]
+    flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}
+    ignored = [flags[k] for k, v in given.items() if v is not None and k not in reads]
+    if ignored:
+        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
+                            f"{args.policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _looks_like_path(text: str) -> bool:
+    """A drafter argument meant as a file or folder (a hub id owner/name is not one)."""
+    return text.startswith(("/", "./", "../", "~", ".\\")) or text in (".", "..") or text.count("/") >= 2 \
+        or text.endswith((".gguf", ".safetensors", ".json"))
+
+
+def check_eval_drafter_spec(spec: str) -> None:
+    """Refuse, before any model loads, a drafter argument that cannot name a drafter to evaluate."""
+    from .checkpoint import PRESETS
+    from .drafters import DRAFTER_NAMES
+    from .hub import looks_like_hub_id
+
+    names = ", ".join(n for n in DRAFTER_NAMES if n != "none")
+    if spec == "none":
+        raise DiffspecError(f"drafter 'none' drafts nothing: there is nothing to evaluate (choose from: {names})")
+    if spec in DRAFTER_NAMES:
+        return
+    prefix, sep, rest = spec.partition(":")
+    if sep and (prefix == "ar" or prefix in PRESETS):
+        if not rest:
+            raise DiffspecError(f"drafter '{prefix}:' needs a model: {prefix}:PATH")
+        if _looks_like_path(rest) and not Path(rest).expanduser().exists():
+            raise DiffspecError(f"drafter path not found: {rest}")
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DiffspecError(f"drafter '{spec}' is a file; a drafter PATH is a folder (config.json + model.safetensors)")
+        return
+    if _looks_like_path(spec):
+        raise DiffspecError(f"drafter folder not found: {spec}")
+    if not looks_like_hub_id(spec):
+        raise DiffspecError(f"unknown drafter '{spec}' (choose from: {names}; a PATH must be an existing folder)")
