@@ -1,12 +1,13 @@
 """The online batched trainer's step: one drafter forward over all anchors of all sequences equals
 the per-sequence computation through the serving pass; anchors and batches are reproducible."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import make_model
 from diffspec.drafters.conditioned import ConditionedConfig, ConditionedDraftModel
-from diffspec.training.anchored import AnchoredLoss
+from diffspec.training.anchored import AnchoredLoss, AnchorLayout, anchored_block_states
 from diffspec.training.batches import (epoch_batches, pad_batch, rank_share, sample_anchors, slot_weights,
                                        target_features)
 
@@ -110,3 +111,48 @@ def test_epoch_batches_cover_every_sequence_once_and_ranks_split_them():
     assert batches != epoch_batches(lengths, 4, seed=0, epoch=1)
     b = batches[0]
     assert sorted(rank_share(b, 0, 2) + rank_share(b, 1, 2)) == sorted(b)
+
+
+def test_distill_loss_is_the_expected_cross_entropy_and_hard_labels_are_its_one_hot_case():
+    """objective 'distill' = sum_k w_k * (-sum_j p_j log q_j) over the target's top K; with p one-hot on
+    the target's argmax it is exactly the hard-label ('target') loss; with the real top-K it is the
+    cross-entropy computed by hand from the drafter's logits."""
+    from diffspec.training.batches import soft_labels
+    torch.manual_seed(0)
+    target = make_model(50, seed=3, layers=4, hidden=32)
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=1, block_size=4)
+    model = ConditionedDraftModel(cfg).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    embed, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(4)
+    seqs = [(torch.randint(1, 50, (n,), generator=g), p) for n, p in ((19, 4), (13, 2))]
+    batch = pad_batch(seqs, [0, 1], pad_id=0)
+    hidden, nxt, (probs, index) = target_features(target, batch, cfg.target_layer_ids, top_k=8)
+    assert probs.shape == index.shape == (2, 19, 8) and torch.allclose(probs.sum(-1), torch.ones(2, 19))
+    assert torch.equal(index[..., 0], nxt)  # the most likely token first: the hard label
+    anchors, valid = sample_anchors(batch, 5, seed=0, epoch=0)
+    args = (batch.tokens, batch.lengths, hidden.double(), nxt, anchors, valid, embed, head_w)
+    hard = AnchoredLoss(model, "target", 3.0)(*args)
+    one_hot = torch.zeros_like(probs, dtype=torch.float64)
+    one_hot[..., 0] = 1.0
+    assert torch.allclose(AnchoredLoss(model, "distill", 3.0)(*args, one_hot, index).weighted_ce, hard.weighted_ce,
+                          rtol=0, atol=1e-9)
+    soft = AnchoredLoss(model, "distill", 3.0)(*args, probs.double(), index)
+    # by hand: every supervised slot's drafter log-probabilities at the target's top 8
+    total = 0.0
+    w = slot_weights(4, 3.0).double()
+    for n in range(2):
+        for a in anchors[n][valid[n]].tolist():
+            block = torch.tensor([batch.tokens[n, a].item()] + [0] * 3)
+            ctx = hidden[n, :a].double()[None]
+            states = anchored_block_states(model, torch.nn.functional.embedding(block, embed).double()[None],
+                                           AnchorLayout(torch.tensor([0]), torch.tensor([0]), torch.tensor([a]), 1, 1),
+                                           ctx)
+            logq = torch.log_softmax(states[0, 1:] @ head_w.double().T, -1)
+            for k in range(1, 4):
+                if a + k < int(batch.lengths[n]):
+                    row = a + k - 1
+                    total += float(w[k - 1] * -(probs[n, row].double() * logq[k - 1, index[n, row]]).sum())
+    assert abs(float(soft.weighted_ce) - total) < 1e-6
+    assert float(soft.weighted_ce) != pytest.approx(float(hard.weighted_ce))  # the soft labels do change the loss

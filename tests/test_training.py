@@ -358,8 +358,8 @@ def test_feature_cache_runs_the_target_once_per_sequence(tmp_path, tiny_model_di
     import diffspec.training.run as run
     calls = []
     real = run.target_features
-    monkeypatch.setattr(run, "target_features", lambda model, batch, layers: calls.append(batch.index.tolist()) or
-                        real(model, batch, layers))
+    monkeypatch.setattr(run, "target_features", lambda model, batch, layers, **kw: calls.append(batch.index.tolist())
+                        or real(model, batch, layers, **kw))
     record = train_drafter(request(tmp_path, tiny_model_dir, store, epochs=2.0, feature_cache=True, batch_sequences=4))
     seen = [i for c in calls for i in c]
     assert record["epochs"] == pytest.approx(2.0) and sorted(seen) == sorted(set(seen))  # never twice
@@ -391,3 +391,17 @@ def test_init_drafter_continues_from_a_trained_drafter(tmp_path, tiny_model_dir,
     with pytest.raises(DiffspecError, match="applies to --kind conditioned"):
         train_drafter(request(tmp_path / "c", tiny_model_dir, store, steps=1, kind="block",
                               init_drafter=str(tmp_path / "a" / "drafter")))
+
+
+@pytest.mark.parametrize("feature_cache", [False, True])
+def test_distill_objective_trains_from_the_targets_own_distributions(tmp_path, tiny_model_dir, store, feature_cache):
+    """--objective distill: the loss (cross-entropy against the target's top-32) falls, from the feature
+    cache too; refused for the block kind."""
+    from diffspec import DiffspecError
+    record = train_drafter(request(tmp_path, tiny_model_dir, store, steps=60, objective="distill", draft_vocab=24,
+                                  feature_cache=feature_cache))
+    log = losses(tmp_path)
+    assert sum(log[-10:]) / 10 < 0.9 * sum(log[:10]) / 10, (log[:3], log[-3:])
+    assert record["request"]["objective"] == "distill"
+    with pytest.raises(DiffspecError, match="distill applies to --kind conditioned"):
+        train_drafter(request(tmp_path / "b", tiny_model_dir, store, steps=1, kind="block", objective="distill"))

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=float, default=0.04, help="share of the budget for the linear warm-up")
     t.add_argument("--slot-decay", type=float, default=7.0, help="slot weights exp(-(k-1)/decay)")
     t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--objective", default="target", choices=["target", "corpus"],
-                   help="labels: the target's own next tokens (aligned) or the data tokens")
+    t.add_argument("--objective", default="target", choices=["target", "corpus", "distill"],
+                   help="labels: the target's own next tokens (target, default), its own top-32 distribution "
+                        "(distill: self-distillation, conditioned kind), or the data tokens (corpus)")
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192, "
                         "or --init-drafter's)")

@@ -13,15 +13,19 @@ pass (`ConditionedDrafter.block_logits`); the tests hold the two equal in fp64. 
 all sequences are packed (`AnchorLayout`): projections, MLPs and the LM head see no padding; only the
 context attention's two matmuls run on the padded [N, A] layout.
 
-Slot k (1..B-1) is labelled with the target's own choice at a+k (`target_next[a+k-1]`, alignment)
-or the data token, weighted exp(-(k-1)/decay); the loss of a batch is sum(w * CE) / sum(w) over all
-its slots, so a data-parallel run can add the parts of its ranks.
+Slot k (1..B-1) is labelled with the target's own choice at a+k (`target_next[a+k-1]`, objective
+"target"), or the data token ("corpus"), or the target's own distribution there ("distill":
+cross-entropy against its top-K probabilities, self-distillation as in NVIDIA Model-Optimizer's DFlash
+and EAGLE-3; the same minimiser as KL, and more signal per slot than one hard label), weighted
+exp(-(k-1)/decay); the loss of a batch is sum(w * CE) / sum(w) over all its slots, so a data-parallel
+run can add the parts of its ranks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -115,8 +119,11 @@ class AnchoredLoss(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, target_hidden: torch.Tensor,
                 target_next: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, embed_weight: torch.Tensor,
-                head_weight: torch.Tensor) -> LossParts:
-        """tokens [N, L], lengths [N], target_hidden [N, L, F], target_next [N, L], anchors/valid [N, A]."""
+                head_weight: torch.Tensor, soft_probs: Optional[torch.Tensor] = None,
+                soft_index: Optional[torch.Tensor] = None) -> LossParts:
+        """tokens [N, L], lengths [N], target_hidden [N, L, F], target_next [N, L], anchors/valid [N, A];
+        objective "distill": soft_probs/soft_index [N, L, K] (batches.soft_labels of the target's logits,
+        index into the draft vocabulary when the drafter has one)."""
         model = self.model
         cfg = model.cfg
         B, (N, L) = cfg.block_size, tokens.shape
@@ -132,7 +139,7 @@ class AnchoredLoss(nn.Module):
         pos = layout.anchor[:, None] + torch.arange(1, B, device=dev)                 # [M, B-1] drafted positions
         ok = pos < lengths[seq][:, None]
         flat = pos.clamp(max=L - 1)
-        labels = target_next[seq[:, None], flat - 1] if self.objective == "target" else tokens[seq[:, None], flat]
+        labels = tokens[seq[:, None], flat] if self.objective == "corpus" else target_next[seq[:, None], flat - 1]
         if cfg.draft_vocab:  # labels as indices into the draft vocabulary; other tokens cannot be drafted
             index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
             index_of[model.draft_token_ids] = torch.arange(cfg.draft_vocab, device=dev)
@@ -141,7 +148,14 @@ class AnchoredLoss(nn.Module):
             labels = labels.clamp(min=0)
         logits = hidden[:, 1:] @ model.head_weight(head_weight).to(hidden.dtype).T     # [M, B-1, V]
         wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        ce = F.cross_entropy(wide.flatten(0, 1), labels.flatten(), reduction="none").view_as(pos)
+        if self.objective == "distill":  # -sum_j p_j log q(j) over the target's top K at the slot's position
+            if soft_probs is None or soft_index is None:
+                raise ValueError("objective 'distill' needs the target's soft labels (soft_probs, soft_index)")
+            rows = (seq[:, None], flat - 1)
+            logq = torch.log_softmax(wide, -1).gather(-1, soft_index[rows])
+            ce = -(soft_probs[rows].to(logq.dtype) * logq).sum(-1)
+        else:
+            ce = F.cross_entropy(wide.flatten(0, 1), labels.flatten(), reduction="none").view_as(pos)
         w = slot_weights(B, self.slot_decay, dev).to(ce.dtype) * ok
         first = ok[:, 0]
         correct = (logits[:, 0].argmax(-1) == labels[:, 0]) & first

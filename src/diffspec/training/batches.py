@@ -57,13 +57,28 @@ def rank_share(batch: Sequence[int], rank: int, world: int) -> list:
 
 
 @torch.no_grad()
-def target_features(target_model, batch: PaddedBatch, layer_ids: Optional[Sequence[int]]) -> tuple:
+def target_features(target_model, batch: PaddedBatch, layer_ids: Optional[Sequence[int]], top_k: int = 0,
+                    draft_ids: Optional[torch.Tensor] = None) -> tuple:
     """One teacher-forced target pass over the batch -> (hidden [N, L, len(layer_ids) * h] of the chosen
-    layers, or None without layer_ids; target_next [N, L]: the target's argmax at each position)."""
+    layers, or None without layer_ids; target_next [N, L]: the target's argmax at each position).
+
+    With top_k > 0 a third item, the target's own distributions for self-distillation: (probs [N, L, K],
+    index [N, L, K]) = the K most likely tokens at each position and their probabilities renormalised
+    over those K, restricted first to `draft_ids` (a reduced draft vocabulary; index then counts in it)."""
     att = (torch.arange(batch.tokens.shape[1], device=batch.tokens.device)[None, :] < batch.lengths[:, None]).long()
     out = target_model(input_ids=batch.tokens, attention_mask=att, output_hidden_states=bool(layer_ids), use_cache=False)
     hidden = torch.cat([out.hidden_states[l + 1] for l in layer_ids], dim=-1) if layer_ids else None
-    return hidden, out.logits.argmax(-1)
+    if not top_k:
+        return hidden, out.logits.argmax(-1)
+    return hidden, out.logits.argmax(-1), soft_labels(out.logits, top_k, draft_ids)
+
+
+def soft_labels(logits: torch.Tensor, top_k: int, draft_ids: Optional[torch.Tensor] = None) -> tuple:
+    """logits [..., V] -> (probs [..., K] float32 summing to 1, index [..., K] int64) of the top K, within
+    `draft_ids` when given (index then points into draft_ids)."""
+    scores = logits.float() if draft_ids is None else logits.float().index_select(-1, draft_ids)
+    values, index = scores.topk(min(top_k, scores.shape[-1]), dim=-1)
+    return torch.softmax(values, dim=-1), index
 
 
 def sample_anchors(batch: PaddedBatch, max_anchors: int, seed: int, epoch: int) -> tuple:

@@ -88,6 +88,7 @@ class TrainRequest:
 RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
                  "objective", "draft_vocab", "held_out", "init_drafter")
 DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB = 2, 8192
+DISTILL_TOP_K = 32  # --objective distill: the target's K most likely tokens per position (renormalised) are the label
 
 
 def _say(req: TrainRequest, msg: str, world: World = World()) -> None:
@@ -99,8 +100,10 @@ def validate(req: TrainRequest) -> None:
     """Every parameter checked before anything slow (a model load, a data build) starts."""
     if req.kind not in ("conditioned", "block"):
         raise DiffspecError(f"unknown drafter kind '{req.kind}' (choose from: block, conditioned)")
-    if req.objective not in ("target", "corpus"):
-        raise DiffspecError(f"unknown objective '{req.objective}' (choose from: target, corpus)")
+    if req.objective not in ("target", "corpus", "distill"):
+        raise DiffspecError(f"unknown objective '{req.objective}' (choose from: corpus, distill, target)")
+    if req.objective == "distill" and req.kind != "conditioned":
+        raise DiffspecError("--objective distill applies to --kind conditioned (the block kind trains on hard labels)")
     for flag, value in (("--steps", req.steps), ("--max-time", req.max_time), ("--max-tokens", req.max_tokens),
                         ("--epochs", req.epochs)):
         if value is not None and not value > 0:  # 0 would never end: progress is measured against it
@@ -302,27 +305,41 @@ class ConditionedTrainer:
         return model.float().to(device), cfg, coverage
 
     def features(self, batch: PaddedBatch) -> tuple:
-        """The target's features and labels for the batch: one target pass, or the feature cache."""
+        """The target's features and labels for the batch (and its top-K distributions under --objective
+        distill, else None, None): one target pass, or the feature cache."""
         idx = batch.index.tolist()
+        distill = self.req.objective == "distill"
         if not (self.req.feature_cache and all(i in self.cache for i in idx)):
-            hidden, nxt = target_features(self.target.model, batch, self.layer_ids)
+            draft_ids = self.model.draft_token_ids if self.model.cfg.draft_vocab else None
+            out = target_features(self.target.model, batch, self.layer_ids, top_k=DISTILL_TOP_K if distill else 0,
+                                  draft_ids=draft_ids)
+            hidden, nxt = out[0], out[1]
+            probs, index = out[2] if distill else (None, None)
             if not self.req.feature_cache:
-                return hidden, nxt
+                return hidden, nxt, probs, index
             for row, i in enumerate(idx):
                 n = int(batch.lengths[row])
-                self.cache[i] = (hidden[row, :n].to(torch.bfloat16).cpu(), nxt[row, :n].cpu())
+                soft = (probs[row, :n].to(torch.bfloat16).cpu(), index[row, :n].to(torch.int32).cpu()) if distill else None
+                self.cache[i] = (hidden[row, :n].to(torch.bfloat16).cpu(), nxt[row, :n].cpu(), soft)
         L = batch.tokens.shape[1]
         hidden = torch.zeros(len(idx), L, self.cache[idx[0]][0].shape[-1], dtype=torch.bfloat16)
         nxt = torch.zeros(len(idx), L, dtype=torch.long)
+        probs = torch.zeros(len(idx), L, DISTILL_TOP_K) if distill else None
+        index = torch.zeros(len(idx), L, DISTILL_TOP_K, dtype=torch.long) if distill else None
         for row, i in enumerate(idx):
-            h, t = self.cache[i]
+            h, t, soft = self.cache[i]
             hidden[row, : h.shape[0]], nxt[row, : t.shape[0]] = h, t
-        return hidden.to(self.device), nxt.to(self.device)
+            if distill:
+                k = soft[0].shape[-1]
+                probs[row, : h.shape[0], :k], index[row, : h.shape[0], :k] = soft[0].float(), soft[1].long()
+        to = (lambda t: None if t is None else t.to(self.device))
+        return to(hidden), to(nxt), to(probs), to(index)
 
     def inputs(self, batch: PaddedBatch, epoch: int) -> tuple:
-        hidden, nxt = self.features(batch)
+        hidden, nxt, probs, index = self.features(batch)
         anchors, valid = sample_anchors(batch, self.req.anchors, self.req.seed, epoch)
-        return (batch.tokens, batch.lengths, hidden, nxt, anchors, valid, self.embed_weight, self.head_weight)
+        return (batch.tokens, batch.lengths, hidden, nxt, anchors, valid, self.embed_weight, self.head_weight,
+                probs, index)
 
     def drafter(self):
         return ConditionedDrafter(self.model.float().eval(), self.target.tokenizer_fingerprint)
