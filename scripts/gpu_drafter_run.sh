@@ -13,7 +13,8 @@
 #   run(command="bash scripts/gpu_drafter_run.sh collect")    # results.tgz + weights into $OUT (any time:
 #                                                             # it packs what exists, drafters first)
 # Each carry stays under the 64 MiB a call (the 98 MB GGUF travels in three parts).
-# Budgets (seconds) can be changed with DATA_S, TRAIN_S, BENCH_N.
+# Budgets (seconds) can be changed with DATA_S, TRAIN_S, BENCH_N; OBJECTIVE=distill trains the conditioned kind
+# on the target's own top-32 distributions (train-drafter --objective distill) instead of its hard labels.
 set -u
 G=/root/g
 source "$(dirname "$0")/gpu_transfer.sh"
@@ -55,6 +56,7 @@ start)
         > $G/data.log 2>&1 || fail make-data
     python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --device cuda --layers 3 \
         --block-size 16 --anchors 512 --batch-sequences 8 --draft-vocab 16384 --max-time ${TRAIN_S:-540} \
+        --objective ${OBJECTIVE:-target} \
         --eval-prompts 10 --eval-tokens 192 > $G/cond.log 2>&1 &
     python3 -m diffspec train-drafter --data $STORE --out $G/block --kind block --device cuda --layers 4 \
         --block-size 16 --batch-sequences 16 --max-time ${TRAIN_S:-540} --eval-prompts 5 --eval-tokens 128 \
