@@ -12,7 +12,8 @@ from helpers import AlternatingPolicy
 from diffspec import AutoregressiveDrafter, DiffspecError, SpeculativeEngine, make_policy
 from diffspec.bench import (METHODS, BenchConfig, MethodDef, Param, best_per_dataset, expand_methods,
                             load_bench_prompts, load_jsonl_prompts, run_bench, summarize)
-from diffspec.bench.methods import EngineRunner, Outcome, parse_method
+from diffspec.bench.runners import EngineRunner, Outcome
+from diffspec.bench.specs import parse_method
 from diffspec.cli import main
 from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 
@@ -474,7 +475,7 @@ def test_methods_table_says_what_a_block_limited_drafter_voids(target):
     block 16 drafts at most 15 tokens a round, so FailFast's N_max=60 and gamma 20 say so."""
     import warnings
 
-    from diffspec.bench.methods import build_runner
+    from diffspec.bench.specs import build_runner
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

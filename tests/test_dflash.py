@@ -24,7 +24,7 @@ from conftest import make_model, reference_greedy
 from test_diffusion_drafters import conditioned_for
 from test_errors import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
-from diffspec.bench.methods import build_runner, parse_method
+from diffspec.bench.specs import build_runner, parse_method
 from diffspec.checkpoint import load_drafter, save_drafter
 from diffspec.dflash_format import export_dflash, without_draft_vocab
 from diffspec.dflash_layout import unsupported_features

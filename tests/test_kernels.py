@@ -326,7 +326,7 @@ def test_incremental_text_on_a_tokenizer_that_joins_with_spaces():
 def test_hf_generate_method_runs_transformers_own_kernels(mm_calls):
     """The bench's `hf-generate` is what users run today: F.linear, not the target's routed kernels,
     which stay installed for the engine's methods after it."""
-    from diffspec.bench.methods import HFRunner
+    from diffspec.bench.runners import HFRunner
     from diffspec.types import SamplingParams
 
     target = Target(make_model(70, seed=3, dtype=torch.float32))

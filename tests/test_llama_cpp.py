@@ -413,7 +413,7 @@ def test_verify_cost_table_on_the_backend(llama_target):
 
 
 def test_bench_tells_auto_which_drafters_and_models_it_will_run():
-    from diffspec.bench.methods import expand_methods, method_needs
+    from diffspec.bench.specs import expand_methods, method_needs
 
     drafters, hf = method_needs(expand_methods(["plain", "llama.cpp", "prompt-lookup", "auto", "conditioned"]))
     assert drafters == ("none", "none", "prompt-lookup", "auto", "conditioned") and not hf

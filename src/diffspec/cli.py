@@ -424,7 +424,7 @@ def _bench(args) -> int:
     from .devices import check_device_available, parse_dtype
     from .backends import check_backend_settings, load_target
     from .bench import BenchConfig, best_per_dataset, list_methods, prepare, run_bench, summarize
-    from .bench.methods import method_needs
+    from .bench.specs import method_needs
 
     if args.list_methods:
         print(list_methods())

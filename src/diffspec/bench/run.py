@@ -18,7 +18,6 @@ import json
 import shlex
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +28,10 @@ import torch
 from ..devices import host_info as machine_info
 from ..errors import DiffspecError
 from ..types import SamplingParams
-from .methods import METHODS, build_runner, expand_methods
+from .methods import METHODS
 from .prompts import load_bench_prompts
 from .report import histogram_from_round_drafted
+from .specs import build_runner, expand_methods
 
 DEFAULT_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")
 
