@@ -304,3 +304,40 @@ def test_cli_writes_a_store(tmp_path, tiny_model_dir, corpus_file, capsys):
     assert summary["batch_choice"]["chosen"] >= 1 and summary["generated_tokens_per_s"] > 0
     assert main(args[:-1] + ["--max-new-tokens", "9", "--quiet"]) == 2  # a different setting on the same store
     assert "max_new_tokens=8" in capsys.readouterr().err
+
+
+def test_corpus_store_holds_each_conversation_as_written(tmp_path, target, convs, monkeypatch):
+    """--source corpus: every conversation rendered whole, its first user turn (with the assistant prefix)
+    as the prompt; evaluation overlap and repeated responses dropped; temperature -1; refuses a used folder."""
+    from diffspec.training.store import build_corpus_store, corpus_sequence, turn_prompt
+    leaked = convs[4][0]["content"]
+    monkeypatch.setattr(store_mod, "evaluation_prompts", lambda: [leaked])
+    manifest = build_corpus_store(tmp_path / "c", target, convs + [convs[1]], progress=False, shard_sequences=4)
+    store = read_store(tmp_path / "c")
+    tok = target.tokenizer
+    want = {}
+    for i, conv in enumerate(convs):
+        if i == 4:
+            continue
+        whole = [int(t) for t in tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]]
+        want[tuple(whole)] = len(turn_prompt(tok, conv, 0, 10_000))
+    got = {tuple(ids.tolist()): p for ids, p in store.sequences}
+    assert got == want  # each kept conversation once (the repeat dropped), prompt = its first user turn
+    assert manifest["evaluation_overlap_dropped"] == 1 and manifest["duplicates_dropped"] == 1
+    assert set(store.temperatures) == {-1.0} and manifest["source"] == "corpus" and len(manifest["shards"]) > 1
+    assert corpus_sequence(tok, [{"role": "user", "content": "w1 w2"}]) is None  # nothing answered: skipped
+    with pytest.raises(DiffspecError, match="not empty"):
+        build_corpus_store(tmp_path / "c", target, convs, progress=False)
+
+
+def test_cli_corpus_source_refuses_generation_settings_and_writes_a_store(tmp_path, tiny_model_dir, corpus_file,
+                                                                           capsys):
+    base = ["make-data", "--source", "corpus", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--quiet"]
+    for extra, says in ((["--temperatures", "0", "0.7"], "--temperatures"), (["--max-new-tokens", "8"], "--max-new-tokens"),
+                        (["--device", "cuda"], "--device")):
+        assert main(base + ["--out", str(tmp_path / "x")] + extra) == 2
+        err = capsys.readouterr().err
+        assert says in err and "generates nothing" in err and err.count("\n") == 1, err
+    assert main(base + ["--out", str(tmp_path / "c"), "--max-prompts", "5"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert 0 < summary["sequences"] == len(read_store(tmp_path / "c")) <= 5 and summary["response_tokens"] > 0

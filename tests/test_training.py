@@ -405,3 +405,13 @@ def test_distill_objective_trains_from_the_targets_own_distributions(tmp_path, t
     assert record["request"]["objective"] == "distill"
     with pytest.raises(DiffspecError, match="distill applies to --kind conditioned"):
         train_drafter(request(tmp_path / "b", tiny_model_dir, store, steps=1, kind="block", objective="distill"))
+
+
+def test_training_reads_a_corpus_store(tmp_path, tiny_model_dir, corpus):
+    """A store of the corpus text itself (make-data --source corpus) trains like a generated one: the labels
+    are the target's own choices over that text, and the loss falls."""
+    from diffspec.training.store import build_corpus_store
+    build_corpus_store(tmp_path / "c", Target.load(str(tiny_model_dir)), load_corpus(str(corpus)), progress=False)
+    record = train_drafter(request(tmp_path / "run", tiny_model_dir, tmp_path / "c", steps=40))
+    log = losses(tmp_path / "run")
+    assert record["train_sequences"] > 0 and sum(log[-8:]) / 8 < sum(log[:8]) / 8, (log[:3], log[-3:])

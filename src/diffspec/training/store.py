@@ -29,6 +29,13 @@ Layout of a store folder:
                                temperature float32 [n]         0 = greedy
 
 `read_store(path)` gives the sequences back as (ids, prompt length) pairs in stored order.
+
+`build_corpus_store` writes the same format from the corpus text itself (`make-data --source corpus`):
+each conversation rendered whole with the chat template, its first user turn (with the assistant
+prefix) as the prompt and everything after it as the response, temperature -1 (= not the target's
+text). Nothing is generated, so a store of the whole of ShareGPT takes minutes instead of days on a
+CPU; training still labels every position with the target's own choice there (`--objective target`),
+which is exact for the next token and approximate beyond it (the text is not the target's own path).
 """
 
 from __future__ import annotations
@@ -814,3 +821,84 @@ def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch:
         bar.update(len(items))
         bar.set_postfix_str(f"{generated / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
     return answers, generated
+
+
+def corpus_sequence(tokenizer, messages: list) -> Optional[tuple]:
+    """A conversation as (ids of the whole rendering, length of its prompt): the prompt is the first user
+    turn with the assistant prefix, the rest (answers and later turns) is the response. None when there is
+    no assistant text after the first user turn, or the chat template refuses the conversation."""
+    users = _user_turns(messages)
+    if not users or not any(m["role"] == "assistant" for m in messages[users[0] + 1:]):
+        return None
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2.exceptions import TemplateError
+
+        try:
+            prompt = tokenizer.apply_chat_template(messages[: users[0] + 1], add_generation_prompt=True, tokenize=False)
+            whole = tokenizer.apply_chat_template(messages, tokenize=False)
+        except TemplateError:
+            return None
+        if not whole.startswith(prompt):
+            return None
+        ids = _ids(tokenizer(whole, add_special_tokens=False))
+        plen = len(_ids(tokenizer(prompt, add_special_tokens=False)))
+    else:
+        prompt = "\n\n".join(m["content"] for m in messages[: users[0] + 1]) + "\n\n"
+        ids = _ids(tokenizer(prompt + "\n\n".join(m["content"] for m in messages[users[0] + 1:])))
+        plen = len(_ids(tokenizer(prompt)))
+    return (ids, plen) if len(ids) - plen >= 2 else None
+
+
+def build_corpus_store(out, target, convs: Sequence[list], *, seed: int = 0, max_conversations: Optional[int] = None,
+                       shard_sequences: int = 1024, progress: bool = True, corpus: Optional[str] = None) -> dict:
+    """Write the conversations of `convs` themselves (see the module docstring) to the new store folder `out`:
+    evaluation-set overlap dropped, shuffled with `seed`, the first `max_conversations` (all by default),
+    identical responses kept once. -> the manifest."""
+    if target.tokenizer is None:
+        raise DiffspecError("build_corpus_store needs a target with a tokenizer")
+    if max_conversations is not None and (isinstance(max_conversations, bool) or max_conversations < 1):
+        raise DiffspecError(f"max_conversations (--max-prompts) must be a positive integer, got {max_conversations!r}")
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DiffspecError(f"{out} exists and is not empty: a corpus store is written in one go, into a new folder")
+    kept, overlap = drop_evaluation_overlap(list(convs), evaluation_prompts())
+    order = list(range(len(kept)))
+    random.Random(seed).shuffle(order)
+    if max_conversations is not None:
+        order = order[:max_conversations]
+    seqs, seen, skipped, dup = [], set(), 0, 0
+    bar = _progress_bar(len(order), 0, progress, desc="rendering conversations", unit="conversation")
+    try:
+        for c in order:
+            bar.update(1)
+            item = corpus_sequence(target.tokenizer, kept[c])
+            if item is None:
+                skipped += 1
+                continue
+            ids, plen = item
+            key = _response_key(ids[plen:])
+            if key in seen:
+                dup += 1
+                continue
+            seen.add(key)
+            seqs.append((ids, plen, -1.0))
+    finally:
+        bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": FORMAT, "version": VERSION, "target": target.name,
+                "tokenizer_fingerprint": target.tokenizer_fingerprint, "source": "corpus",
+                "settings": {"source": "corpus", "corpus": corpus, "seed": seed, "max_prompts": max_conversations,
+                             "shard_sequences": shard_sequences},
+                "prompts_total": len(order), "prompts_done": len(order), "shards": [], "conversations": len(kept),
+                "evaluation_overlap_dropped": overlap, "conversations_skipped": skipped, "duplicates_dropped": dup,
+                "generated_tokens_total": 0, "generation_seconds": 0.0, "generated_tokens_per_s": None,
+                "response_tokens_total": sum(len(i) - p for i, p, _ in seqs)}
+    for start in range(0, len(seqs), shard_sequences):
+        part = seqs[start: start + shard_sequences]
+        entry = {"file": f"shard-{len(manifest['shards']):05d}.safetensors", "sequences": len(part),
+                 "tokens": sum(len(i) for i, _, _ in part), "generated_tokens": 0, "prompts": [start, start + len(part)]}
+        _write_shard(out / entry["file"], part)
+        manifest["shards"].append(entry)
+    _write_manifest(out, manifest)
+    return manifest
+
