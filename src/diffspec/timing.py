@@ -1,4 +1,4 @@
-"""The one wall-clock timer behind every measured choice (kernel plan, drafter dtype, training dtype).
+"""The wall-clock timer behind the measured kernel plan, drafter dtype and training dtype choices.
 
 Each choice times a few calls of a step after untimed warm-up calls, synchronising the device around
 each timed call so that a CUDA step is timed to its end, not to its launch."""

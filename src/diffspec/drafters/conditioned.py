@@ -14,7 +14,7 @@ Parameter names and config fields follow the DFlash checkpoint layout (layers.N.
 q_norm/k_norm, mlp.gate_proj, fc, hidden_norm, norm; Qwen3 config fields plus block_size,
 mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DFlash checkpoint -
 unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no place for
-(dflash_format.py). `block_logits` is the one pass, compared with the reference's in the tests.
+(dflash_layout.py). `block_logits` is the one pass, compared with the reference's in the tests.
 """
 
 from __future__ import annotations

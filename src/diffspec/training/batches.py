@@ -76,9 +76,9 @@ def target_features(target_model, batch: PaddedBatch, layer_ids: Optional[Sequen
 def soft_labels(logits: torch.Tensor, top_k: int, draft_ids: Optional[torch.Tensor] = None) -> tuple:
     """logits [..., V] -> (probs [..., K] float32 summing to 1, index [..., K] int64) of the top K, within
     `draft_ids` when given (index then points into draft_ids)."""
-    scores = logits.float() if draft_ids is None else logits.float().index_select(-1, draft_ids)
+    scores = logits if draft_ids is None else logits.index_select(-1, draft_ids)  # no full-width float copy
     values, index = scores.topk(min(top_k, scores.shape[-1]), dim=-1)
-    return torch.softmax(values, dim=-1), index
+    return torch.softmax(values.float(), dim=-1), index
 
 
 def sample_anchors(batch: PaddedBatch, max_anchors: int, seed: int, epoch: int) -> tuple:

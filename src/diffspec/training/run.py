@@ -131,6 +131,8 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world} processes")
     if req.draft_vocab is not None and req.draft_vocab < 0:
         raise DiffspecError(f"--draft-vocab must be >= 0, got {req.draft_vocab}")
+    if req.draft_vocab is not None and req.kind != "conditioned":
+        raise DiffspecError("--draft-vocab applies to --kind conditioned (the block kind drafts from the full vocabulary)")
     if req.init_drafter is not None:
         init_drafter_config(req)  # a missing folder or a mismatched shape is named before the target loads
     if req.feature_cache and req.kind != "conditioned":
@@ -286,9 +288,13 @@ class ConditionedTrainer:
         if self.req.mask_token_id is not None and self.req.mask_token_id != loaded.model.cfg.mask_token_id:
             raise DiffspecError(f"--mask-token-id {self.req.mask_token_id} differs from the drafter's "
                                 f"({loaded.model.cfg.mask_token_id}, {path})")
-        if loaded.model.cfg.num_target_layers != target.model.config.get_text_config(decoder=True).num_hidden_layers:
-            raise DiffspecError(f"--init-drafter {path} was made for a target with {loaded.model.cfg.num_target_layers} "
-                                f"layers; this target has another depth")
+        tcfg, dcfg = target.model.config.get_text_config(decoder=True), loaded.model.cfg
+        for what, theirs, ours in (("layers", dcfg.num_target_layers, tcfg.num_hidden_layers),
+                                   ("hidden size", dcfg.hidden_size, tcfg.hidden_size),
+                                   ("vocabulary", dcfg.vocab_size, tcfg.vocab_size)):
+            if theirs != ours:
+                raise DiffspecError(f"--init-drafter {path} was made for a target with {what} {theirs}; this "
+                                    f"target has {ours}")
         cfg = replace(loaded.model.cfg, block_size=self.req.block_size)
         model = ConditionedDraftModel(cfg)
         model.load_state_dict(loaded.model.state_dict())
@@ -435,6 +441,10 @@ def _train(req: TrainRequest, world: World) -> dict:
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "elapsed": 0.0, "log": []}
     ckpt = out / "checkpoint.pt"
     same_run = {k: getattr(req, k) for k in RESUME_FIELDS}
+    # the shape the run has, not how it was asked for (--layers 2 and no --layers are the same run)
+    same_run.update(layers=trainer.record["layers"],
+                    draft_vocab=trainer.record["draft_vocab"] if req.init_drafter is not None
+                    else (DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab))
     same_run["data"] = str(Path(req.data).resolve()) if req.data else None
     if req.resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False, map_location=world.device)
@@ -533,7 +543,7 @@ def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine
     log = state["log"]
     train_s = log[-1]["elapsed_s"] if log else 0.0
     record = {"request": asdict(req), "data": {k: manifest.get(k) for k in (
-                  "target", "prompts_done", "shards", "duplicates_dropped", "evaluation_overlap_dropped",
+                  "target", "source", "prompts_done", "shards", "duplicates_dropped", "evaluation_overlap_dropped",
                   "generated_tokens_per_s") if k in manifest},
               "steps": state["step"], "epochs": round(state["epoch"] + state["batch_in_epoch"] / max(1, batches_per_epoch), 3),
               "supervised_tokens": state["tokens"], "train_seconds": round(train_s, 1),

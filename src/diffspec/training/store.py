@@ -841,11 +841,14 @@ def corpus_sequence(tokenizer, messages: list) -> Optional[tuple]:
         if not whole.startswith(prompt):
             return None
         ids = _ids(tokenizer(whole, add_special_tokens=False))
-        plen = len(_ids(tokenizer(prompt, add_special_tokens=False)))
+        head = _ids(tokenizer(prompt, add_special_tokens=False))
     else:
         prompt = "\n\n".join(m["content"] for m in messages[: users[0] + 1]) + "\n\n"
         ids = _ids(tokenizer(prompt + "\n\n".join(m["content"] for m in messages[users[0] + 1:])))
-        plen = len(_ids(tokenizer(prompt)))
+        head = _ids(tokenizer(prompt))
+    if ids[: len(head)] != head:  # a token merged across the boundary: the prompt is not a prefix; skip
+        return None
+    plen = len(head)
     return (ids, plen) if len(ids) - plen >= 2 else None
 
 
