@@ -344,7 +344,8 @@ def _make_data(args) -> int:
     from .devices import check_device_available
     from .target import Target
     from .training.data import load_corpus
-    from .training.store import StoreSettings, build_corpus_store, build_store, check_store_folder, parse_batch_size
+    from .training.store import (StoreSettings, build_corpus_store, build_store, check_corpus_store_folder,
+                                 check_store_folder, parse_batch_size)
 
     generation = {"--max-new-tokens": args.max_new_tokens, "--max-prompt-tokens": args.max_prompt_tokens,
                   "--batch-size": args.batch_size, "--temperatures": args.temperatures, "--max-time": args.max_time,
@@ -354,11 +355,7 @@ def _make_data(args) -> int:
         if given:
             raise DiffspecError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} how the target generates; "
                                 f"--source corpus generates nothing")
-        if args.max_prompts is not None and args.max_prompts < 1:
-            raise DiffspecError(f"--max-prompts must be positive, got {args.max_prompts}")
-        out = Path(args.out).expanduser()
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise DiffspecError(f"{out} exists and is not empty: a corpus store is written in one go, into a new folder")
+        out = check_corpus_store_folder(args.out, args.max_prompts)
         convs = load_corpus(args.corpus)
         target = Target.load(args.model, quiet=args.quiet)
         manifest = build_corpus_store(out, target, convs, seed=args.seed, max_conversations=args.max_prompts,

@@ -1,14 +1,8 @@
 """DFlash folders in and out: export a conditioned drafter for z-lab's reference package (`dflash`),
 vLLM and SGLang; fetch a published one from the Hub; hand the reference package the exact weights
-diffspec runs. The layout itself (config fields, what diffspec can run) is dflash_layout.py's.
-
-diffspec's conditioned drafter is the same network (drafters/conditioned.py), with one optional
-difference: a reduced draft vocabulary (`draft_vocab` > 0 scores only the LM-head rows listed in
-its `draft_token_ids` buffer). DFlash scores the whole head, so the same weights would propose
-other tokens there. Such a drafter is therefore not a DFlash checkpoint: its folder says
-`architectures: ["DiffspecConditionedDraftModel"]`, and `export_dflash` refuses it unless asked
-to drop the restriction (`full_vocab=True`: the same weights drafting over the whole vocabulary,
-a different drafter - still lossless anywhere, its acceptance is its own).
+diffspec runs. The layout itself (config fields, what diffspec can run, why a drafter with a reduced
+draft vocabulary is not a DFlash checkpoint) is dflash_layout.py's; `export_dflash` refuses such a
+drafter unless asked to drop the restriction (`full_vocab=True`).
 
 Here:
 - `export_dflash(drafter, out, ...)` writes a conditioned drafter as a DFlash folder;

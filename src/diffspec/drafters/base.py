@@ -63,6 +63,10 @@ class Drafter(ABC):
         check = getattr(target, "check_drafter", None)
         if check is not None:
             check(self.name, self.capabilities.needs_target_hidden_states)
+        self.check_tokenizer(target)
+
+    def check_tokenizer(self, target) -> None:
+        """Refuse a target whose token ids mean something else than this drafter's (unknown on either side: accepted)."""
         mine, theirs = self.tokenizer_fingerprint, target.tokenizer_fingerprint
         if mine is not None and theirs is not None and mine != theirs:
             raise DiffspecError(f"tokenizer mismatch: drafter '{self.name}' (vocabulary {mine}) does not share "

@@ -34,19 +34,29 @@ def init_from_target(model: ConditionedDraftModel, target_model) -> int:
     return copied
 
 
-def choose_draft_vocab(sequences: Sequence[tuple], size: int, vocab_size: int, always: Sequence[int] = ()) -> tuple:
-    """The `size` tokens the target emits most often in its own answers [(ids, prompt_len)] (plus
-    `always`, e.g. the stop tokens). -> (sorted ids [size], share of response tokens they cover)."""
+def response_token_counts(sequences: Sequence[tuple], vocab_size: int) -> torch.Tensor:
+    """How often each token occurs in the responses of [(ids, prompt_len)] -> [vocab_size] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, prompt_len in sequences:
         counts += torch.bincount(ids[prompt_len:].clamp(max=vocab_size - 1), minlength=vocab_size)
-    total = counts.sum().clamp(min=1)
+    return counts
+
+
+def draft_vocab_coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """The share of response tokens (counts from response_token_counts) that the draft vocabulary `ids` holds."""
+    return float(counts[ids].sum() / counts.sum().clamp(min=1))
+
+
+def choose_draft_vocab(sequences: Sequence[tuple], size: int, vocab_size: int, always: Sequence[int] = ()) -> tuple:
+    """The `size` tokens the target emits most often in its own answers [(ids, prompt_len)] (plus
+    `always`, e.g. the stop tokens). -> (sorted ids [size], share of response tokens they cover)."""
+    counts = response_token_counts(sequences, vocab_size)
     boosted = counts.clone()
     for t in always:
         if 0 <= t < vocab_size:
             boosted[t] = counts.max() + 1
     top = torch.topk(boosted, min(size, vocab_size)).indices
-    return top.sort().values, float(counts[top].sum() / total)
+    return top.sort().values, draft_vocab_coverage(counts, top)
 
 
 def lr_at(progress: float, lr: float, warmup_fraction: float = 0.04) -> float:

@@ -37,7 +37,7 @@ from ..timing import min_seconds
 from .anchored import AnchoredLoss
 from .batches import PaddedBatch, epoch_batches, pad_batch, rank_share, sample_anchors, target_features
 from .block import BlockDiffusionLoss, make_block_body, noise_batch
-from .conditioned import choose_draft_vocab, init_from_target, lr_at
+from .conditioned import choose_draft_vocab, draft_vocab_coverage, init_from_target, lr_at, response_token_counts
 from .distributed import World, all_max, all_sum, barrier, join_world, leave_world, wrap
 
 
@@ -278,13 +278,9 @@ class ConditionedTrainer:
         block size is this run's (the weights do not depend on it). -> (model, config, draft vocab coverage)."""
         from ..checkpoint import load_drafter
 
-        path = init_drafter_path(self.req)
-        init_drafter_config(self.req)
+        path = init_drafter_path(self.req)  # checked against the request by validate()
         loaded = load_drafter(path)
-        mine, theirs = loaded.tokenizer_fingerprint, target.tokenizer_fingerprint
-        if mine and theirs and mine != theirs:
-            raise DiffspecError(f"--init-drafter {path} was trained for another tokenizer ({mine}) than the "
-                                f"target's ({theirs})")
+        loaded.check_tokenizer(target)
         if self.req.mask_token_id is not None and self.req.mask_token_id != loaded.model.cfg.mask_token_id:
             raise DiffspecError(f"--mask-token-id {self.req.mask_token_id} differs from the drafter's "
                                 f"({loaded.model.cfg.mask_token_id}, {path})")
@@ -298,15 +294,8 @@ class ConditionedTrainer:
         cfg = replace(loaded.model.cfg, block_size=self.req.block_size)
         model = ConditionedDraftModel(cfg)
         model.load_state_dict(loaded.model.state_dict())
-        coverage = 1.0
-        if cfg.draft_vocab:
-            total = covered = 0
-            keep = torch.zeros(target.vocab_size, dtype=torch.bool)
-            keep[model.draft_token_ids] = True
-            for ids, p in train:
-                total += ids.shape[0] - p
-                covered += int(keep[ids[p:]].sum())
-            coverage = covered / max(1, total)
+        coverage = draft_vocab_coverage(response_token_counts(train, target.vocab_size), model.draft_token_ids) \
+            if cfg.draft_vocab else 1.0
         self.record["init_drafter"] = str(path)
         return model.float().to(device), cfg, coverage
 

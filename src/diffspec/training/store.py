@@ -852,6 +852,16 @@ def corpus_sequence(tokenizer, messages: list) -> Optional[tuple]:
     return (ids, plen) if len(ids) - plen >= 2 else None
 
 
+def check_corpus_store_folder(out, max_conversations: Optional[int] = None) -> Path:
+    """Refuse, before any model loads, a used folder or a bad conversation count for build_corpus_store. -> the folder."""
+    if max_conversations is not None and (isinstance(max_conversations, bool) or max_conversations < 1):
+        raise DiffspecError(f"max_conversations (--max-prompts) must be a positive integer, got {max_conversations!r}")
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DiffspecError(f"{out} exists and is not empty: a corpus store is written in one go, into a new folder")
+    return out
+
+
 def build_corpus_store(out, target, convs: Sequence[list], *, seed: int = 0, max_conversations: Optional[int] = None,
                        shard_sequences: int = 1024, progress: bool = True, corpus: Optional[str] = None) -> dict:
     """Write the conversations of `convs` themselves (see the module docstring) to the new store folder `out`:
@@ -859,11 +869,7 @@ def build_corpus_store(out, target, convs: Sequence[list], *, seed: int = 0, max
     identical responses kept once. -> the manifest."""
     if target.tokenizer is None:
         raise DiffspecError("build_corpus_store needs a target with a tokenizer")
-    if max_conversations is not None and (isinstance(max_conversations, bool) or max_conversations < 1):
-        raise DiffspecError(f"max_conversations (--max-prompts) must be a positive integer, got {max_conversations!r}")
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DiffspecError(f"{out} exists and is not empty: a corpus store is written in one go, into a new folder")
+    out = check_corpus_store_folder(out, max_conversations)
     kept, overlap = drop_evaluation_overlap(list(convs), evaluation_prompts())
     order = list(range(len(kept)))
     random.Random(seed).shuffle(order)
