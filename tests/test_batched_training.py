@@ -12,9 +12,11 @@ from diffspec.training.batches import (epoch_batches, pad_batch, rank_share, sam
                                        target_features)
 
 
-def reference_sequence_parts(model, tokens, hidden, target_next, first_supervised, anchors, embed, head_w, decay):
+def reference_sequence_parts(model, tokens, hidden, target_next, first_supervised, anchors, embed, head_w, decay,
+                             greedy_path_only=False):
     """One sequence, through the serving forward (ConditionedDraftModel.forward with the context's
-    keys/values and a dense boolean mask): -> (sum of w * CE, sum of w)."""
+    keys/values and a dense boolean mask): -> (sum of w * CE, sum of w). With greedy_path_only, slot k
+    counts only where tokens a+1..a+k-1 are the target's own choices (checked one by one here)."""
     cfg = model.cfg
     B, T = cfg.block_size, tokens.shape[0]
     a = torch.tensor(anchors)
@@ -30,6 +32,11 @@ def reference_sequence_parts(model, tokens, hidden, target_next, first_supervise
     out = model(embed(block.reshape(-1)), positions, kv, attn_mask=mask).view(len(anchors), B, -1)
     pos = a[:, None] + torch.arange(1, B)
     valid = pos < T
+    if greedy_path_only:
+        for i, anchor in enumerate(anchors):
+            for k in range(2, B):
+                if any(int(tokens[anchor + j]) != int(target_next[anchor + j - 1]) for j in range(1, min(k, T - anchor))):
+                    valid[i, k - 1] = False
     labels = target_next[(pos.clamp(max=T - 1) - 1)]
     logits = out[:, 1:] @ head_w.T
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(pos)
@@ -51,8 +58,8 @@ def test_batched_loss_equals_per_sequence_loss_fp64():
     hidden, target_next = target_features(target, batch, cfg.target_layer_ids)
     anchors, valid = sample_anchors(batch, max_anchors=6, seed=0, epoch=0)
     assert int(valid.sum()) == 6 + 6 + 6  # every sequence has >= 6 supervised anchors
-    parts = AnchoredLoss(model, "target", 3.0)(batch.tokens, batch.lengths, hidden, target_next, anchors, valid,
-                                              embed.weight, head_w)
+    parts = AnchoredLoss(model, "target", 3.0, greedy_path_only=False)(batch.tokens, batch.lengths, hidden, target_next,
+                                                                      anchors, valid, embed.weight, head_w)
     ref_sum, ref_w = 0.0, 0.0
     for n, (ids, p) in enumerate(seqs):
         T = ids.shape[0]
@@ -65,6 +72,64 @@ def test_batched_loss_equals_per_sequence_loss_fp64():
     (parts.weighted_ce / parts.weight).backward()
     assert model.fc.weight.grad is not None and float(model.fc.weight.grad.abs().sum()) > 0
     assert target.get_output_embeddings().weight.grad is None
+
+
+def greedy_with_detours(target, prompt, length, detours, vocab, generator):
+    """The target's own greedy continuation of `prompt` up to `length` tokens, except at the positions in
+    `detours`, where a random token other than the target's choice is written (and greedy goes on from it)."""
+    ids = prompt.clone()
+    with torch.no_grad():
+        while ids.shape[0] < length:
+            choice = int(target(input_ids=ids[None]).logits[0, -1].argmax())
+            if ids.shape[0] in detours:
+                choice = (choice + int(torch.randint(1, vocab - 1, (1,), generator=generator))) % (vocab - 1) + 1
+            ids = torch.cat([ids, torch.tensor([choice])])
+    return ids
+
+
+@pytest.mark.parametrize("objective", ["target", "distill"])
+def test_off_path_slots_are_not_labels(objective):
+    """On text that follows the target's greedy path with a few detours, the batched loss keeps slot k
+    exactly where the data's tokens a+1..a+k-1 are the target's own choices (checked one by one by the
+    serving-pass reference), drops the rest, and keeps every slot of a detour-free greedy answer."""
+    from diffspec.training.batches import soft_labels
+    torch.manual_seed(0)
+    target = make_model(50, seed=3, layers=4, hidden=32).double()
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=2, block_size=6)
+    model = ConditionedDraftModel(cfg).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(5)
+    seqs = [(greedy_with_detours(target, torch.randint(1, 50, (p,), generator=g), n, detours, 50, g), p)
+            for n, p, detours in ((30, 4, {9, 16, 17}), (22, 3, {12}), (20, 5, set()))]
+    batch = pad_batch(seqs, [0, 1, 2], pad_id=0)
+    hidden, target_next, (probs, index) = target_features(target, batch, cfg.target_layer_ids, top_k=50)
+    anchors, valid = sample_anchors(batch, max_anchors=40, seed=0, epoch=0)  # every response anchor
+    args = (batch.tokens, batch.lengths, hidden, target_next, anchors, valid, embed.weight, head_w)
+    extra = (probs, index) if objective == "distill" else ()
+    masked = AnchoredLoss(model, objective, 3.0)(*args, *extra)
+    full = AnchoredLoss(model, objective, 3.0, greedy_path_only=False)(*args, *extra)
+    ref_w, full_w = 0.0, 0.0
+    for n, (ids, p) in enumerate(seqs):
+        T, picked = ids.shape[0], anchors[n][valid[n]].tolist()
+        ref_w += float(reference_sequence_parts(model, ids, hidden[n, :T], target_next[n, :T], p, picked, embed,
+                                                head_w, 3.0, greedy_path_only=True)[1])
+        full_w += float(reference_sequence_parts(model, ids, hidden[n, :T], target_next[n, :T], p, picked, embed,
+                                                 head_w, 3.0)[1])
+    assert abs(float(masked.weight) - ref_w) < 1e-9 and abs(float(full.weight) - full_w) < 1e-9
+    assert int(masked.slots) < int(full.slots)       # the detours cost labels ...
+    assert int(masked.slot1_count) == int(full.slot1_count)  # ... never slot 1
+    if objective == "target":  # the loss over the kept slots is the serving pass's loss over them
+        ref_sum = sum(float(reference_sequence_parts(model, ids, hidden[n, :ids.shape[0]], target_next[n, :ids.shape[0]],
+                                                     p, anchors[n][valid[n]].tolist(), embed, head_w, 3.0,
+                                                     greedy_path_only=True)[0]) for n, (ids, p) in enumerate(seqs))
+        assert abs(float(masked.weighted_ce) - ref_sum) < 1e-6
+    # the detour-free greedy answer (sequence 2) loses nothing
+    only_greedy = valid.clone()
+    only_greedy[:2] = False
+    assert int(AnchoredLoss(model, objective, 3.0)(*args[:5], only_greedy, *args[6:], *extra).slots) == \
+        int(AnchoredLoss(model, objective, 3.0, greedy_path_only=False)(*args[:5], only_greedy, *args[6:], *extra).slots)
 
 
 def test_padding_never_changes_a_sequence_loss():
@@ -133,12 +198,12 @@ def test_distill_loss_is_the_expected_cross_entropy_and_hard_labels_are_its_one_
     assert torch.equal(index[..., 0], nxt)  # the most likely token first: the hard label
     anchors, valid = sample_anchors(batch, 5, seed=0, epoch=0)
     args = (batch.tokens, batch.lengths, hidden.double(), nxt, anchors, valid, embed, head_w)
-    hard = AnchoredLoss(model, "target", 3.0)(*args)
+    hard = AnchoredLoss(model, "target", 3.0, greedy_path_only=False)(*args)
     one_hot = torch.zeros_like(probs, dtype=torch.float64)
     one_hot[..., 0] = 1.0
-    assert torch.allclose(AnchoredLoss(model, "distill", 3.0)(*args, one_hot, index).weighted_ce, hard.weighted_ce,
-                          rtol=0, atol=1e-9)
-    soft = AnchoredLoss(model, "distill", 3.0)(*args, probs.double(), index)
+    distill = AnchoredLoss(model, "distill", 3.0, greedy_path_only=False)
+    assert torch.allclose(distill(*args, one_hot, index).weighted_ce, hard.weighted_ce, rtol=0, atol=1e-9)
+    soft = distill(*args, probs.double(), index)
     # by hand: every supervised slot's drafter log-probabilities at the target's top 8
     total = 0.0
     w = slot_weights(4, 3.0).double()

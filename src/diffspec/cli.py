@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--objective", default="target", choices=["target", "corpus", "distill"],
                    help="labels: the target's own next tokens (target, default), its own top-32 distribution "
                         "(distill: self-distillation, conditioned kind), or the data tokens (corpus)")
+    t.add_argument("--off-path-slots", action="store_true",
+                   help="conditioned kind: also supervise slot k where the data's tokens before it leave the "
+                        "target's greedy path (by default such slots are not labels: the target's choice there "
+                        "follows text it would not have written; on its own greedy answers nothing is dropped)")
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only the N tokens the target emits most (0 = full vocabulary; default 8192, "
                         "or --init-drafter's)")
@@ -323,6 +327,7 @@ def _train(args) -> int:
                        max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size, layers=args.layers,
                        anchors=args.anchors, batch_sequences=args.batch_sequences, lr=args.lr, warmup=args.warmup,
                        slot_decay=args.slot_decay, grad_clip=args.grad_clip, objective=args.objective,
+                       off_path_slots=args.off_path_slots,
                        seed=args.seed, device=args.device, train_dtype=args.train_dtype,
                        feature_cache=args.feature_cache, resume=args.resume, draft_vocab=args.draft_vocab,
                        init_from_target=not args.no_init_from_target, init_drafter=args.init_drafter,

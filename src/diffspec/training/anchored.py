@@ -19,6 +19,15 @@ cross-entropy against its top-K probabilities, self-distillation as in NVIDIA Mo
 and EAGLE-3; the same minimiser as KL, and more signal per slot than one hard label), weighted
 exp(-(k-1)/decay); the loss of a batch is sum(w * CE) / sum(w) over all its slots, so a data-parallel
 run can add the parts of its ranks.
+
+Off-path slots. The drafter sees token a and masks; its slot k is accepted when it equals the target's
+greedy token after the target's OWN greedy tokens a+1..a+k-1. The target's label at a+k in the data,
+`target_next[a+k-1]`, answers a different question whenever the data's tokens a+1..a+k-1 are not that
+path (corpus text, sampled answers): it is the target's choice after text the drafter never sees and
+the target would not have written. So by default (`greedy_path_only`) slot k is supervised only where
+tokens[a+j] == target_next[a+j-1] for every j < k: on the target's own greedy answers that is every slot
+(the mask changes nothing), on corpus text it keeps exactly the labels a greedy verification would
+check. Slot 1 is always on the path. The "corpus" objective (data tokens as labels) has no such mask.
 """
 
 from __future__ import annotations
@@ -99,6 +108,15 @@ def anchored_block_states(model: ConditionedDraftModel, block_embeddings: torch.
     return model.norm(x).view(M, B, h)
 
 
+def on_greedy_path(data_tokens: torch.Tensor, target_choice: torch.Tensor) -> torch.Tensor:
+    """data_tokens [M, B-1]: the data's tokens at a+1..a+B-1 of each block; target_choice [M, B-1]: the
+    target's argmax for those positions (given the data before them). -> [M, B-1] bool: slot k is on the
+    target's greedy path when the data's tokens a+1..a+k-1 all are the target's own choices."""
+    agree = (data_tokens[:, :-1] == target_choice[:, :-1]).long()
+    first = torch.ones_like(agree[:, :1])
+    return torch.cat([first, agree], 1).cumprod(1).bool()
+
+
 @dataclass(frozen=True)
 class LossParts:
     """Sums over one batch (or one rank's share of it); the loss is weighted_ce / weight."""
@@ -113,9 +131,11 @@ class AnchoredLoss(nn.Module):
     """The conditioned drafter's training forward (a module, so DistributedDataParallel can wrap it).
     The target's embedding and LM head weights are frozen arguments, never parameters of this module."""
 
-    def __init__(self, model: ConditionedDraftModel, objective: str = "target", slot_decay: float = 7.0):
+    def __init__(self, model: ConditionedDraftModel, objective: str = "target", slot_decay: float = 7.0,
+                 greedy_path_only: bool = True):
         super().__init__()
         self.model, self.objective, self.slot_decay = model, objective, slot_decay
+        self.greedy_path_only = greedy_path_only and objective != "corpus"
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor, target_hidden: torch.Tensor,
                 target_next: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, embed_weight: torch.Tensor,
@@ -139,6 +159,8 @@ class AnchoredLoss(nn.Module):
         pos = layout.anchor[:, None] + torch.arange(1, B, device=dev)                 # [M, B-1] drafted positions
         ok = pos < lengths[seq][:, None]
         flat = pos.clamp(max=L - 1)
+        if self.greedy_path_only:
+            ok = ok & on_greedy_path(tokens[seq[:, None], flat], target_next[seq[:, None], flat - 1])
         labels = tokens[seq[:, None], flat] if self.objective == "corpus" else target_next[seq[:, None], flat - 1]
         if cfg.draft_vocab:  # labels as indices into the draft vocabulary; other tokens cannot be drafted
             index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)

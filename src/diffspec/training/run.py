@@ -67,6 +67,7 @@ class TrainRequest:
     grad_clip: float = 1.0
     weight_decay: float = 0.01
     objective: str = "target"
+    off_path_slots: bool = False        # also supervise slots after a data token the target would not choose (anchored.py)
     seed: int = 0
     device: str = "cpu"
     train_dtype: str = "auto"           # matmul precision of training steps: auto (measured) | float32 | bfloat16
@@ -86,7 +87,7 @@ class TrainRequest:
 
 # what a resumed run must share with the run that wrote the checkpoint (the batches, anchors and model depend on them)
 RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
-                 "objective", "draft_vocab", "held_out", "init_drafter")
+                 "objective", "off_path_slots", "draft_vocab", "held_out", "init_drafter")
 DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB = 2, 8192
 DISTILL_TOP_K = 32  # --objective distill: the target's K most likely tokens per position (renormalised) are the label
 
@@ -104,6 +105,9 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"unknown objective '{req.objective}' (choose from: corpus, distill, target)")
     if req.objective == "distill" and req.kind != "conditioned":
         raise DiffspecError("--objective distill applies to --kind conditioned (the block kind trains on hard labels)")
+    if req.off_path_slots and (req.kind != "conditioned" or req.objective == "corpus"):
+        raise DiffspecError("--off-path-slots applies to --kind conditioned with --objective target or distill (the "
+                            "block kind sees the data's tokens in its block; corpus labels are the data itself)")
     for flag, value in (("--steps", req.steps), ("--max-time", req.max_time), ("--max-tokens", req.max_tokens),
                         ("--epochs", req.epochs)):
         if value is not None and not value > 0:  # 0 would never end: progress is measured against it
@@ -267,7 +271,8 @@ class ConditionedTrainer:
         self.layer_ids = cfg.target_layer_ids
         self.embed_weight = target.model.get_input_embeddings().weight.detach()
         self.head_weight = target.model.get_output_embeddings().weight.detach()
-        self.loss_module = AnchoredLoss(self.model, req.objective, req.slot_decay)
+        self.loss_module = AnchoredLoss(self.model, req.objective, req.slot_decay,
+                                        greedy_path_only=not req.off_path_slots)
         self.cache: dict = {}
         self.record.update({"init_tensors_from_target": copied, "layers": cfg.num_hidden_layers,
                             "draft_vocab": cfg.draft_vocab,
@@ -414,20 +419,23 @@ def _train(req: TrainRequest, world: World) -> dict:
     deadline = t_start + req.max_time if req.max_time else None
     out = Path(req.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(req.seed)
     target = Target.load(req.target, device=world.device, quiet=req.quiet or not world.main)
     for p in target.model.parameters():
         p.requires_grad_(False)
     train, held, manifest = load_training_data(req, target, world, deadline)
     _say(req, f"{len(train)} training sequences ({sum(int(i.shape[0]) - p for i, p in train)} response tokens), "
               f"{len(held)} held out", world)
+    # seeded here, right before the drafter's random init: loading the target and the data may draw from the
+    # global generator a different number of times in a process's first run than in its next (lazy imports,
+    # cached loads), which made two identical runs in one process start from different weights
+    torch.manual_seed(req.seed)
     trainer = (ConditionedTrainer if req.kind == "conditioned" else BlockTrainer)(req, target, train, world.device)
     trainer.record.update(train_sequences=len(train), train_response_tokens=sum(int(i.shape[0]) - p for i, p in train),
                           held_out_sequences=len(held))
     model = trainer.model
     module = wrap(trainer.loss_module, world)
     opt = torch.optim.AdamW(model.parameters(), lr=req.lr, weight_decay=req.weight_decay, betas=(0.9, 0.95))
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "elapsed": 0.0, "log": []}
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "anchors": 0, "elapsed": 0.0, "log": []}
     ckpt = out / "checkpoint.pt"
     same_run = {k: getattr(req, k) for k in RESUME_FIELDS}
     # the shape the run has, not how it was asked for (--layers 2 and no --layers are the same run)
@@ -473,7 +481,7 @@ def _train(req: TrainRequest, world: World) -> dict:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=total_steps, initial=state["step"], desc="train-drafter", unit="step", file=sys.stderr,
+    bar = tqdm(total=min(total_steps, req.steps or total_steps), initial=state["step"], desc="train-drafter", unit="step", file=sys.stderr,
                disable=req.quiet or not world.main, dynamic_ncols=True)
     batches, batches_epoch = None, -1
     last_ckpt = time.time()
@@ -499,6 +507,7 @@ def _train(req: TrainRequest, world: World) -> dict:
         sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
         state["step"] += 1
         state["tokens"] += int(sums[1])
+        state["anchors"] = state.get("anchors", 0) + int(sums[3])
         state["batch_in_epoch"] += 1
         if state["batch_in_epoch"] >= len(batches):
             state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
@@ -537,6 +546,7 @@ def _finish(req, target, trainer, state, manifest, held, amp_dtype, why, machine
               "steps": state["step"], "epochs": round(state["epoch"] + state["batch_in_epoch"] / max(1, batches_per_epoch), 3),
               "supervised_tokens": state["tokens"], "train_seconds": round(train_s, 1),
               "supervised_slots_per_s": round(state["tokens"] / max(train_s, 1e-9), 1),
+              "supervised_slots_per_anchor": round(state["tokens"] / max(1, state.get("anchors", 0)), 3),
               **trainer.record, "final_loss": log[-1]["loss"] if log else None,
               "train_dtype": str(amp_dtype).replace("torch.", ""), "train_dtype_choice": why, "machine": machine}
     drafter = trainer.drafter()

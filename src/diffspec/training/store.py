@@ -35,7 +35,8 @@ each conversation rendered whole with the chat template, its first user turn (wi
 prefix) as the prompt and everything after it as the response, temperature -1 (= not the target's
 text). Nothing is generated, so a store of the whole of ShareGPT takes minutes instead of days on a
 CPU; training still labels every position with the target's own choice there (`--objective target`),
-which is exact for the next token and approximate beyond it (the text is not the target's own path).
+which is exact for slot 1; deeper slots are labels only where the text before them is the target's
+own greedy path (training/anchored.py, "off-path slots")
 """
 
 from __future__ import annotations
