@@ -178,3 +178,42 @@ def test_auto_takes_a_shipped_drafter_only_when_its_folder_says_default(tmp_path
         meta = {"kind": "conditioned"} if flag is None else {"kind": "conditioned", "default": flag}
         (folder / "config.json").write_text(json.dumps({"diffspec": meta}))
         assert default_drafter_name("some-target") == expected
+
+
+def test_block_drafter_with_a_draft_vocabulary_keeps_it_through_a_round_trip(tmp_path, target, tokenizer):
+    """The reduced head: the full head's logits on the draft ids, -inf elsewhere, in as many passes; the ids
+    survive save/load; a folder that lost them or a bad id is named."""
+    v = len(tokenizer)
+    body = dllm(v)
+    ids = torch.tensor(sorted({3, 5, 8, 13, 21, 34, v - 1}))
+    config = BlockDiffusionConfig(mask_token_id=v, block_size=4, sub_block_size=2)
+    full, reduced = (BlockDiffusionDrafter(body, config, target.tokenizer_fingerprint, draft_token_ids=d)
+                     for d in (None, ids))
+    ctx = list(range(5, 19))
+    for d in (full, reduced):
+        d.attach(target)
+        d.begin(None)
+        d._sync(ctx)
+    block = ctx[12:] + [v] * 2
+    wide, small = full._block_logits(block, [2, 3]), reduced._block_logits(block, [2, 3])
+    assert torch.allclose(small[:, ids], wide[:, ids].float(), atol=1e-5)
+    outside = torch.ones(small.shape[1], dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isneginf(small[:, outside]).all())
+    assert full._passes == reduced._passes
+    d = drafts(reduced, target, ctx, FixedPolicy(3))
+    assert set(d.tokens.tolist()) <= set(ids.tolist())
+    path = save_drafter(reduced, tmp_path / "block", dtype=torch.float64)
+    meta = json.loads((path / "config.json").read_text())["diffspec"]
+    assert meta["draft_vocab"] == len(ids)
+    loaded = load_drafter(path, dtype=torch.float64)
+    assert torch.equal(loaded.draft_token_ids.cpu(), ids)
+    assert drafts(loaded, target, ctx, FixedPolicy(3)).tokens.tolist() == d.tokens.tolist()
+    assert "draft vocabulary 7" in loaded.describe()
+    (path / "draft_token_ids.safetensors").unlink()
+    with pytest.raises(DiffspecError, match="draft_token_ids.safetensors"):
+        load_drafter(path)
+    with pytest.raises(DiffspecError, match="mask token"):
+        BlockDiffusionDrafter(dllm(v), config, draft_token_ids=torch.tensor([1, v]))
+    with pytest.raises(DiffspecError, match="distinct"):
+        BlockDiffusionDrafter(dllm(v), config, draft_token_ids=torch.tensor([1, 1]))

@@ -87,6 +87,9 @@ def diffusion_drafter(kind, target):
         drafter = BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2))
         drafter.compute_dtype = "bfloat16" if kind == "block-bf16" else None
         return drafter
+    if kind == "block-draft-vocab":  # drafts from half the vocabulary through the head's rows for it
+        return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2),
+                                     draft_token_ids=torch.arange(1, V, 2))
     if kind == "block-multistep":  # out-of-order unmasking: verified with one-hot q
         return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=4,
                                                                 unmask_threshold=0.95))
@@ -103,7 +106,8 @@ def diffusion_drafter(kind, target):
 @pytest.mark.parametrize("kind, setting", [("block", "temperature"), ("block", "top_k"),
                                            ("block-multistep", "temperature"), ("masked", "temperature"),
                                            ("conditioned", "temperature"), ("conditioned", "top_p"),
-                                           ("conditioned-bf16", "temperature"), ("block-bf16", "temperature")])
+                                           ("conditioned-bf16", "temperature"), ("block-bf16", "temperature"),
+                                           ("block-draft-vocab", "temperature")])
 def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting):
     model, _ = small_vocab_models
     target = Target(model)

@@ -206,22 +206,24 @@ def test_default_target_layers_exist_for_any_depth():
         assert all(0 <= i < depth for i in default_target_layers(depth))
 
 
-def test_reduced_draft_vocabulary_drafts_only_its_tokens(tmp_path, tiny_model_dir, store):
-    record = train_drafter(request(tmp_path, tiny_model_dir, store, steps=10, draft_vocab=16))
+@pytest.mark.parametrize("kind", ["conditioned", "block"])
+def test_reduced_draft_vocabulary_drafts_only_its_tokens(tmp_path, tiny_model_dir, store, kind):
+    record = train_drafter(request(tmp_path, tiny_model_dir, store, kind=kind, steps=10, draft_vocab=16, layers=1))
     assert record["draft_vocab"] == 16 and 0 < record["draft_vocab_coverage"] <= 1
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from diffspec import SamplingParams
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     target = Target(model, AutoTokenizer.from_pretrained(tiny_model_dir))
     drafter = load_drafter(tmp_path / "drafter")
-    allowed = set(drafter.model.draft_token_ids.tolist())
+    allowed = set((drafter.model.draft_token_ids if kind == "conditioned" else drafter.draft_token_ids).tolist())
     assert len(allowed) == 16
     engine = SpeculativeEngine(target, drafter, FixedPolicy(3))
     r = engine.generate([5, 6, 7, 8, 9], max_new_tokens=20, stop_token_ids=[])
     assert r.token_ids == reference_greedy(model, [5, 6, 7, 8, 9], 20, stop_ids=())
     drafter.begin(None)
     ctx = torch.tensor([5, 6, 7, 8, 9])
-    drafter.observe(Target(model).forward(ctx[:-1], hidden_layers=drafter.target_layer_ids).hidden_states, 0)
+    if kind == "conditioned":
+        drafter.observe(Target(model).forward(ctx[:-1], hidden_layers=drafter.target_layer_ids).hidden_states, 0)
     d = drafter.propose(ctx, FixedPolicy(3), 10, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     assert set(d.tokens.tolist()) <= allowed
     outside = torch.ones(d.probs.shape[1], dtype=torch.bool)

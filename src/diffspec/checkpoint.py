@@ -36,6 +36,7 @@ from .errors import DiffspecError
 
 FORMAT_VERSION = 1
 KINDS = ("block-diffusion", "masked-diffusion", "conditioned")
+DRAFT_IDS_FILE = "draft_token_ids.safetensors"  # a block-diffusion drafter's reduced draft vocabulary
 
 # Published layouts: (drafter kind, settings) for checkpoints that carry no `diffspec` object.
 PRESETS = {
@@ -74,6 +75,10 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
         drafter.model.save_pretrained(path, state_dict=_stored(drafter.model.state_dict(), dtype))
         config = json.loads((path / "config.json").read_text())
         meta.update(asdict(drafter.config))
+        ids = getattr(drafter, "draft_token_ids", None)
+        meta["draft_vocab"] = 0 if ids is None else int(ids.numel())
+        if ids is not None:  # the head stays whole in the weights; these are the rows it drafts from
+            save_file({"draft_token_ids": ids.detach().cpu().contiguous()}, str(path / DRAFT_IDS_FILE))
     config["diffspec"] = meta
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
@@ -169,9 +174,24 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     if kind == "block-diffusion":
         fields = {k: meta[k] for k in ("mask_token_id", "block_size", "sub_block_size", "unmask_threshold",
                                        "logit_shift") if k in meta}
-        return BlockDiffusionDrafter(model, BlockDiffusionConfig(**fields), fp, name=name)
+        return BlockDiffusionDrafter(model, BlockDiffusionConfig(**fields), fp, name=name,
+                                     draft_token_ids=_draft_token_ids(path, meta))
     fields = {k: meta[k] for k in ("mask_token_id", "steps", "logit_shift", "context_window") if k in meta}
     return MaskedDiffusionDrafter(model, MaskedDiffusionConfig(**fields), fp, name=name)
+
+
+def _draft_token_ids(path: Path, meta: dict) -> Optional[torch.Tensor]:
+    """A block-diffusion folder's reduced draft vocabulary (None: the whole head drafts)."""
+    size = int(meta.get("draft_vocab", 0) or 0)
+    if not size:
+        return None
+    file = path / DRAFT_IDS_FILE
+    if not file.is_file():
+        raise DiffspecError(f"drafter folder {path} declares a draft vocabulary of {size} but has no {DRAFT_IDS_FILE}")
+    ids = load_file(str(file)).get("draft_token_ids")
+    if ids is None or ids.dim() != 1 or ids.numel() != size or ids.is_floating_point():
+        raise DiffspecError(f"{file} does not hold the {size} draft token ids its config declares")
+    return ids.long()
 
 
 def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device: str) -> ConditionedDraftModel:

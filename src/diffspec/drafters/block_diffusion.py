@@ -20,6 +20,11 @@ exact; the argument is in denoising.py).
 
 Logits are "shifted" (Fast-dLLM v2, Dream: position i is predicted from the logits at i-1) or not
 (LLaDA). Every forward pass is counted.
+
+A reduced draft vocabulary (`draft_token_ids`, chosen by `train-drafter --draft-vocab`): the output
+head, most of a small drafter's cost, is applied to those rows of its weight only, and every other
+token gets logit -inf (probability 0 under q, so rejection sampling stays exact: the verifier's
+residual max(0, p - q) covers them). The stored weights keep the whole head.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Optional
 import torch
 
 from ..cache import check_rollback, common_prefix_length, full_cache, truncate_cache
+from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
@@ -57,10 +63,13 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
                                        keeps_own_cache=True, chooses_dtype=True)
 
     def __init__(self, model, config: BlockDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
-                 name: str = "block-diffusion", reuse_cache: bool = True):
+                 name: str = "block-diffusion", reuse_cache: bool = True,
+                 draft_token_ids: Optional[torch.Tensor] = None):
         check_rollback(model.config, name=f"block-diffusion drafter '{name}'")
         self.model = model.eval()
         self.config = config
+        self.draft_token_ids = check_draft_token_ids(draft_token_ids, model, config.mask_token_id, name)
+        self._draft_head: Optional[tuple] = None  # (weight rows, bias rows or None) in the model's dtype
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.reuse_cache = reuse_cache
@@ -88,6 +97,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
             for name, buf in rotary.items():
                 owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
                 setattr(self.model.get_submodule(owner), attr, buf)
+        self._draft_head = None  # rebuilt in the new dtype
         self.begin(None)  # the cache is made in the model's dtype
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
@@ -112,9 +122,30 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         The output head is most of this drafter's cost: the rows nobody reads are not computed."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         self._passes += 1
+        if self.draft_token_ids is not None:
+            return self._reduced_head_logits(ids, mask, rows)
         logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
                                 use_cache=True)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
+
+    def _reduced_head_logits(self, ids: torch.Tensor, mask: torch.Tensor, rows) -> torch.Tensor:
+        """The body's pass, then the head's draft-vocabulary rows applied to the wanted positions only;
+        -> [rows, vocab] with -inf outside the draft vocabulary."""
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+                                          use_cache=True).last_hidden_state[0]
+        hidden = hidden[-rows:] if isinstance(rows, int) else hidden[torch.tensor(rows, device=hidden.device)]
+        if self._draft_head is None:
+            head = self.model.get_output_embeddings()
+            bias = getattr(head, "bias", None)
+            self._draft_head = (head.weight[self.draft_token_ids].contiguous(),
+                                None if bias is None else bias[self.draft_token_ids].contiguous())
+        weight, bias = self._draft_head
+        small = torch.nn.functional.linear(hidden, weight, bias).float()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:  # Gemma-style heads squash their logits; the reduced head does the same
+            small = torch.tanh(small / cap) * cap
+        width = self.vocab_size or self.model.config.vocab_size
+        return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
 
     def _commit(self, tokens: list) -> None:
         """Append whole blocks to the cache (block-causal among themselves); only the last row's
@@ -204,5 +235,20 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
 
     def describe(self) -> str:
         c = self.config
+        vocab = "" if self.draft_token_ids is None else f"draft vocabulary {self.draft_token_ids.numel()}, "
         return (f"{self.name}(block {c.block_size}, sub-block {c.sub_block_size}, threshold {c.unmask_threshold}, "
-                f"{'shifted' if c.logit_shift else 'unshifted'}, {self._dtype_text()})")
+                f"{'shifted' if c.logit_shift else 'unshifted'}, {vocab}{self._dtype_text()})")
+
+
+def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str) -> Optional[torch.Tensor]:
+    """A reduced draft vocabulary: distinct token ids inside the head, never the mask. -> int64 ids on the
+    model's device (None stays None)."""
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    rows = model.get_output_embeddings().weight.shape[0]
+    if ids.numel() == 0 or ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= rows:
+        raise DiffspecError(f"block-diffusion drafter '{name}': draft_token_ids must be distinct ids in [0, {rows})")
+    if bool((ids == mask_token_id).any()):
+        raise DiffspecError(f"block-diffusion drafter '{name}': the mask token {mask_token_id} cannot be drafted")
+    return ids.to(next(model.parameters()).device)

@@ -11,7 +11,8 @@ at inference) and the rest is masked: entirely (one-step drafting, the FailFast 
 random ratio (the state of later denoising steps). Logits are shifted like Fast-dLLM v2: the
 token at i is predicted from position i-1 (for a block's first position, the clean copy's last
 position of the previous block, i.e. the cached boundary logits). Labels are the target's own
-next-token choices (`objective="target"`) or the corpus tokens.
+next-token choices (`objective="target"`) or the corpus tokens. With a reduced draft vocabulary the
+head's rows for those tokens alone make the logits (as in drafting) and other labels are not trained.
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ class BlockDiffusionLoss(nn.Module):
     slot-1 count): slot 1 is a block's first masked position with the rest of its block masked too
     (the token a draft proposes first)."""
 
-    def __init__(self, body, block_size: int, objective: str = "target"):
+    def __init__(self, body, block_size: int, objective: str = "target", draft_token_ids=None):
         super().__init__()
         self.body, self.block_size, self.objective = body, block_size, objective
+        # a reduced draft vocabulary: the head's rows for these ids only; labels outside it are not trained
+        self.draft_token_ids = None if draft_token_ids is None else torch.as_tensor(draft_token_ids, dtype=torch.long)
 
     def forward(self, clean: torch.Tensor, noisy: torch.Tensor, masked: torch.Tensor, lengths: torch.Tensor,
                 first_supervised: torch.Tensor, target_next: torch.Tensor) -> tuple:
@@ -111,7 +114,17 @@ class BlockDiffusionLoss(nn.Module):
         rows, cols = sup.nonzero(as_tuple=True)
         source = torch.where(cols % B == 0, cols - 1, T + cols - 1)        # shifted: row i-1 predicts token i
         labels = target_next[rows, cols - 1] if self.objective == "target" else clean[rows, cols]
-        logits = self.body.lm_head(hidden[rows, source])
+        if self.draft_token_ids is None:
+            logits = self.body.lm_head(hidden[rows, source])
+        else:  # as the drafter drafts: the head's draft-vocabulary rows; other labels cannot be drafted
+            ids = self.draft_token_ids.to(dev)
+            index_of = torch.full((self.body.lm_head.weight.shape[0],), -1, dtype=torch.long, device=dev)
+            index_of[ids] = torch.arange(ids.shape[0], device=dev)
+            keep = index_of[labels] >= 0
+            sup[rows[~keep], cols[~keep]] = False
+            rows, cols, source, labels = rows[keep], cols[keep], source[keep], index_of[labels[keep]]
+            head = self.body.lm_head
+            logits = F.linear(hidden[rows, source], head.weight[ids], None if head.bias is None else head.bias[ids])
         ce = F.cross_entropy(logits.float(), labels, reduction="sum")
         # slot 1: the first masked position of its block, the rest of the block masked as well
         tail_masked = masked.view(N, -1, B).flip(2).long().cumprod(2).flip(2).view(N, T).bool()

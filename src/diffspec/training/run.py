@@ -135,8 +135,6 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"--batch-sequences {req.batch_sequences} is smaller than the {world} processes")
     if req.draft_vocab is not None and req.draft_vocab < 0:
         raise DiffspecError(f"--draft-vocab must be >= 0, got {req.draft_vocab}")
-    if req.draft_vocab is not None and req.kind != "conditioned":
-        raise DiffspecError("--draft-vocab applies to --kind conditioned (the block kind drafts from the full vocabulary)")
     if req.init_drafter is not None:
         init_drafter_config(req)  # a missing folder or a mismatched shape is named before the target loads
     if req.feature_cache and req.kind != "conditioned":
@@ -352,9 +350,15 @@ class BlockTrainer:
         self.req, self.target, self.device = req, target, device
         self.model, self.mask_id = make_block_body(target.model, req.layers or DEFAULT_LAYERS)
         self.model.to(device).train()
-        self.loss_module = BlockDiffusionLoss(self.model, req.block_size, req.objective)
+        asked = DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab
+        self.draft_ids, coverage = None, 1.0
+        if 0 < asked < target.vocab_size:  # the head is most of a drafting step: draft from the frequent tokens
+            self.draft_ids, coverage = choose_draft_vocab(train, asked, target.vocab_size, sorted(target.stop_token_ids))
+        self.loss_module = BlockDiffusionLoss(self.model, req.block_size, req.objective, self.draft_ids)
         self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
-                       "layers": req.layers or DEFAULT_LAYERS, "mask_token_id": self.mask_id}
+                       "layers": req.layers or DEFAULT_LAYERS, "mask_token_id": self.mask_id,
+                       "draft_vocab": 0 if self.draft_ids is None else int(self.draft_ids.numel()),
+                       "draft_vocab_coverage": round(coverage, 4)}
 
     def inputs(self, batch: PaddedBatch, epoch: int) -> tuple:
         B = self.req.block_size
@@ -371,7 +375,8 @@ class BlockTrainer:
     def drafter(self):
         return BlockDiffusionDrafter(self.model.float().eval(), BlockDiffusionConfig(
             mask_token_id=self.mask_id, block_size=self.req.block_size,
-            sub_block_size=min(8, self.req.block_size)), self.target.tokenizer_fingerprint)
+            sub_block_size=min(8, self.req.block_size)), self.target.tokenizer_fingerprint,
+            draft_token_ids=self.draft_ids)
 
 
 def _parts(out) -> tuple:
