@@ -221,3 +221,39 @@ def test_distill_loss_is_the_expected_cross_entropy_and_hard_labels_are_its_one_
                     total += float(w[k - 1] * -(probs[n, row].double() * logq[k - 1, index[n, row]]).sum())
     assert abs(float(soft.weighted_ce) - total) < 1e-6
     assert float(soft.weighted_ce) != pytest.approx(float(hard.weighted_ce))  # the soft labels do change the loss
+
+
+def test_a_label_outside_the_draft_vocabulary_ends_the_path():
+    """With a reduced draft vocabulary, slot k is a label only if the target's choices for slots 1..k are all
+    draftable (a greedy verification never passes a token the drafter cannot propose) and on the path."""
+    torch.manual_seed(0)
+    target = make_model(50, seed=3, layers=4, hidden=32).double()
+    g = torch.Generator().manual_seed(6)
+    ids = greedy_with_detours(target, torch.randint(1, 50, (4,), generator=g), 26, set(), 50, g)
+    batch = pad_batch([(ids, 4)], [0], pad_id=0)
+    hidden, target_next = target_features(target, batch, (0, 1))
+    common = sorted(set(target_next[0, 4:20].tolist()))
+    assert len(common) >= 2
+    undraftable = set(common[: len(common) // 2])
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=1, block_size=6,
+                                       num_features=2, draft_vocab=50 - len(undraftable))
+    model = ConditionedDraftModel(cfg).double()
+    model.draft_token_ids.copy_(torch.tensor([t for t in range(50) if t not in undraftable]))
+    anchors, valid = sample_anchors(batch, max_anchors=40, seed=0, epoch=0)
+    embed, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight.detach()
+    parts = AnchoredLoss(model, "target", 3.0)(batch.tokens, batch.lengths, hidden, target_next, anchors, valid,
+                                              embed, head_w)
+    expected, T = 0, ids.shape[0]
+    for a in anchors[0][valid[0]].tolist():
+        for k in range(1, 6):
+            if a + k >= T:
+                break
+            if any(int(target_next[0, a + j - 1]) in undraftable for j in range(1, k + 1)):
+                break
+            if any(int(ids[a + j]) != int(target_next[0, a + j - 1]) for j in range(1, k)):
+                break
+            expected += 1
+    assert int(parts.slots) == expected
+    loose = AnchoredLoss(model, "target", 3.0, greedy_path_only=False)(batch.tokens, batch.lengths, hidden,
+                                                                       target_next, anchors, valid, embed, head_w)
+    assert int(parts.slots) < int(loose.slots)

@@ -307,6 +307,15 @@ def test_block_loss_reports_slot1_accuracy_of_each_blocks_first_masked_position(
     assert int(correct) == (len(firsts) + 1) // 2
     assert (int(n2), int(correct2), int(count2)) == (int(n), int(correct), int(count))  # the second is all prompt
     assert float(ce2) == pytest.approx(float(ce), rel=1e-9)
+    # a draft vocabulary without the first counted block's slot-1 label: that block has no slot 1 (its next
+    # masked position is a slot-2 prediction and is never promoted), and every label outside is not trained
+    dropped = int(labels[firsts[0] - 1])
+    draft_ids = torch.tensor([t for t in range(mask_id) if t != dropped])
+    with torch.no_grad():
+        _, _, n3, _, count3 = BlockDiffusionLoss(model, B, "target", draft_ids)(
+            tokens[None], noisy, masked, torch.tensor([T]), torch.tensor([start]), labels[None])
+    assert int(n3) == sum(int(labels[i - 1]) != dropped for i in range(start, T) if masked1[i])
+    assert int(count3) == sum(int(labels[p - 1]) != dropped for p in firsts) < len(firsts)
 
 
 @pytest.mark.parametrize("kind", ["conditioned", "block"])

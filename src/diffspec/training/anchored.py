@@ -28,6 +28,8 @@ the target would not have written. So by default (`greedy_path_only`) slot k is 
 tokens[a+j] == target_next[a+j-1] for every j < k: on the target's own greedy answers that is every slot
 (the mask changes nothing), on corpus text it keeps exactly the labels a greedy verification would
 check. Slot 1 is always on the path. The "corpus" objective (data tokens as labels) has no such mask.
+With a reduced draft vocabulary, a slot whose label the drafter cannot draft ends the path too: a
+greedy verification never gets past it, so the slots after it are not labels either.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class AnchoredLoss(nn.Module):
             index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
             index_of[model.draft_token_ids] = torch.arange(cfg.draft_vocab, device=dev)
             labels = index_of[labels]
-            ok = ok & (labels >= 0)
+            ok = ok & ((labels >= 0).long().cumprod(1).bool() if self.greedy_path_only else labels >= 0)
             labels = labels.clamp(min=0)
         logits = hidden[:, 1:] @ model.head_weight(head_weight).to(hidden.dtype).T     # [M, B-1, V]
         wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits

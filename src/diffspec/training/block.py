@@ -111,6 +111,10 @@ class BlockDiffusionLoss(nn.Module):
         hidden = self.body.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         idx = torch.arange(T, device=dev)[None].expand(N, -1)
         sup = masked & (idx >= first_supervised.clamp(min=1)[:, None]) & (idx < lengths[:, None])
+        # slot 1: the first masked position of its block, the rest of the block masked as well (decided before
+        # a draft vocabulary drops labels, so a dropped first position never promotes the next one to slot 1)
+        tail_masked = masked.view(N, -1, B).flip(2).long().cumprod(2).flip(2).view(N, T).bool()
+        slot1 = sup & (sup.view(N, -1, B).long().cumsum(2).view(N, T) == 1) & tail_masked
         rows, cols = sup.nonzero(as_tuple=True)
         source = torch.where(cols % B == 0, cols - 1, T + cols - 1)        # shifted: row i-1 predicts token i
         labels = target_next[rows, cols - 1] if self.objective == "target" else clean[rows, cols]
@@ -126,10 +130,7 @@ class BlockDiffusionLoss(nn.Module):
             head = self.body.lm_head
             logits = F.linear(hidden[rows, source], head.weight[ids], None if head.bias is None else head.bias[ids])
         ce = F.cross_entropy(logits.float(), labels, reduction="sum")
-        # slot 1: the first masked position of its block, the rest of the block masked as well
-        tail_masked = masked.view(N, -1, B).flip(2).long().cumprod(2).flip(2).view(N, T).bool()
-        first_supervised = sup & (sup.view(N, -1, B).long().cumsum(2).view(N, T) == 1)
-        first = (first_supervised & tail_masked)[rows, cols]
+        first = slot1[rows, cols]
         correct = (logits.argmax(-1) == labels) & first
         n = sup.sum()
         return ce, n.to(ce.dtype), n, correct.sum(), first.sum()

@@ -450,8 +450,12 @@ def _train(req: TrainRequest, world: World) -> dict:
     same_run["data"] = str(Path(req.data).resolve()) if req.data else None
     if req.resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False, map_location=world.device)
-        changed = {k: (saved.get("same_run", {}).get(k), v) for k, v in same_run.items()
-                   if saved.get("same_run", {}).get(k) != v}
+        before = dict(saved.get("same_run", {}))
+        if "off_path_slots" not in before:  # written before on-path labels: it trained every slot, and a block
+            before["off_path_slots"] = req.kind == "conditioned"  # drafter then drafted the whole vocabulary
+            if req.kind == "block":
+                before["draft_vocab"] = 0
+        changed = {k: (before.get(k), v) for k, v in same_run.items() if before.get(k) != v}
         if changed:
             raise DiffspecError("--resume with other settings than the checkpoint's would train on other batches: " +
                                 ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
