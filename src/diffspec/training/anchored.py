@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafters.conditioned import ConditionedDraftModel, rotary
-from .batches import slot_weights
+from .batches import draft_index, slot_weights
 
 
 def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -165,9 +165,7 @@ class AnchoredLoss(nn.Module):
             ok = ok & on_greedy_path(tokens[seq[:, None], flat], target_next[seq[:, None], flat - 1])
         labels = tokens[seq[:, None], flat] if self.objective == "corpus" else target_next[seq[:, None], flat - 1]
         if cfg.draft_vocab:  # labels as indices into the draft vocabulary; other tokens cannot be drafted
-            index_of = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=dev)
-            index_of[model.draft_token_ids] = torch.arange(cfg.draft_vocab, device=dev)
-            labels = index_of[labels]
+            labels = draft_index(model.draft_token_ids, head_weight.shape[0])[labels]
             ok = ok & ((labels >= 0).long().cumprod(1).bool() if self.greedy_path_only else labels >= 0)
             labels = labels.clamp(min=0)
         logits = hidden[:, 1:] @ model.head_weight(head_weight).to(hidden.dtype).T     # [M, B-1, V]

@@ -81,6 +81,14 @@ def soft_labels(logits: torch.Tensor, top_k: int, draft_ids: Optional[torch.Tens
     return torch.softmax(values.float(), dim=-1), index
 
 
+def draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64: each token's index in the reduced draft vocabulary `draft_ids`, -1 for a token
+    outside it (a label the drafter cannot draft)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
+    index[draft_ids] = torch.arange(draft_ids.shape[0], device=draft_ids.device)
+    return index
+
+
 def sample_anchors(batch: PaddedBatch, max_anchors: int, seed: int, epoch: int) -> tuple:
     """Up to `max_anchors` distinct anchor positions per sequence, drawn without repetition from those
     whose next token is a response token (a + 1 >= first_supervised, a + 1 < length), sorted.

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import GQA_SDPA
+from .batches import draft_index
 
 
 def make_block_body(target_model, layers: int):
@@ -122,8 +123,7 @@ class BlockDiffusionLoss(nn.Module):
             logits = self.body.lm_head(hidden[rows, source])
         else:  # as the drafter drafts: the head's draft-vocabulary rows; other labels cannot be drafted
             ids = self.draft_token_ids.to(dev)
-            index_of = torch.full((self.body.lm_head.weight.shape[0],), -1, dtype=torch.long, device=dev)
-            index_of[ids] = torch.arange(ids.shape[0], device=dev)
+            index_of = draft_index(ids, self.body.lm_head.weight.shape[0])
             keep = index_of[labels] >= 0
             sup[rows[~keep], cols[~keep]] = False
             rows, cols, source, labels = rows[keep], cols[keep], source[keep], index_of[labels[keep]]

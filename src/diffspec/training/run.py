@@ -253,17 +253,12 @@ class ConditionedTrainer:
             self.model, cfg, coverage = self._from_drafter(target, train, device)
             copied = 0
         else:
-            asked = DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab
-            draft_vocab = asked if 0 < asked < target.vocab_size else 0
+            ids, coverage = _draft_ids(req, target, train)
             cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask,
                                                num_hidden_layers=req.layers or DEFAULT_LAYERS,
-                                               block_size=req.block_size, draft_vocab=draft_vocab)
-            coverage = 1.0
-            if draft_vocab:
-                ids, coverage = choose_draft_vocab(train, draft_vocab, target.vocab_size, sorted(target.stop_token_ids))
-                cfg = replace(cfg, draft_vocab=int(ids.shape[0]))
+                                               block_size=req.block_size, draft_vocab=0 if ids is None else ids.numel())
             self.model = ConditionedDraftModel(cfg).to(device)
-            if draft_vocab:
+            if ids is not None:
                 self.model.draft_token_ids.copy_(ids)
             copied = init_from_target(self.model, target.model) if req.init_from_target else 0
         self.layer_ids = cfg.target_layer_ids
@@ -343,6 +338,19 @@ class ConditionedTrainer:
         return ConditionedDrafter(self.model.float().eval(), self.target.tokenizer_fingerprint)
 
 
+def _asked_draft_vocab(req: TrainRequest) -> int:
+    return DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab
+
+
+def _draft_ids(req: TrainRequest, target, train: list) -> tuple:
+    """A new drafter's reduced draft vocabulary: the tokens the target emits most in `train`, plus its stop
+    tokens. -> (sorted ids, or None for the whole vocabulary; share of response tokens they cover)."""
+    asked = _asked_draft_vocab(req)
+    if not 0 < asked < target.vocab_size:
+        return None, 1.0
+    return choose_draft_vocab(train, asked, target.vocab_size, sorted(target.stop_token_ids))
+
+
 class BlockTrainer:
     """Standalone block-diffusion drafter: the two-copy masked objective over the whole batch at once."""
 
@@ -350,10 +358,7 @@ class BlockTrainer:
         self.req, self.target, self.device = req, target, device
         self.model, self.mask_id = make_block_body(target.model, req.layers or DEFAULT_LAYERS)
         self.model.to(device).train()
-        asked = DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab
-        self.draft_ids, coverage = None, 1.0
-        if 0 < asked < target.vocab_size:  # the head is most of a drafting step: draft from the frequent tokens
-            self.draft_ids, coverage = choose_draft_vocab(train, asked, target.vocab_size, sorted(target.stop_token_ids))
+        self.draft_ids, coverage = _draft_ids(req, target, train)  # the head is most of a drafting step
         self.loss_module = BlockDiffusionLoss(self.model, req.block_size, req.objective, self.draft_ids)
         self.record = {"init": "target embeddings, LM head, evenly spaced layers, final norm",
                        "layers": req.layers or DEFAULT_LAYERS, "mask_token_id": self.mask_id,
@@ -446,7 +451,7 @@ def _train(req: TrainRequest, world: World) -> dict:
     # the shape the run has, not how it was asked for (--layers 2 and no --layers are the same run)
     same_run.update(layers=trainer.record["layers"],
                     draft_vocab=trainer.record["draft_vocab"] if req.init_drafter is not None
-                    else (DEFAULT_DRAFT_VOCAB if req.draft_vocab is None else req.draft_vocab))
+                    else _asked_draft_vocab(req))
     same_run["data"] = str(Path(req.data).resolve()) if req.data else None
     if req.resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False, map_location=world.device)
@@ -490,8 +495,8 @@ def _train(req: TrainRequest, world: World) -> dict:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=min(total_steps, req.steps or total_steps), initial=state["step"], desc="train-drafter", unit="step", file=sys.stderr,
-               disable=req.quiet or not world.main, dynamic_ncols=True)
+    bar = tqdm(total=min(total_steps, req.steps or total_steps), initial=state["step"], desc="train-drafter",
+               unit="step", file=sys.stderr, disable=req.quiet or not world.main, dynamic_ncols=True)
     batches, batches_epoch = None, -1
     last_ckpt = time.time()
     model.train()
