@@ -71,9 +71,9 @@ def test_which_drafters_need_hidden_states():
 
 
 def test_auto_backend_weighs_speed_and_the_drafter(tmp_path, monkeypatch):
-    """`auto` reads the step times it measured and picks llama.cpp only where it is faster; never under
-    a drafter that reads hidden states or a method that runs the transformers model. A cached record
-    of the wrong shape is measured again, not trusted."""
+    """`auto` reads the step times it measured and picks llama.cpp only where it is faster, a drafter
+    that reads hidden states included (the backend feeds it); never under a method that runs the
+    transformers model. A cached record of the wrong shape is measured again, not trusted."""
     import json
 
     from diffspec.backends import backend_record_path, choose_backend, read_step_times
@@ -93,7 +93,7 @@ def test_auto_backend_weighs_speed_and_the_drafter(tmp_path, monkeypatch):
     assert pick(0.01) == "llama.cpp"
     assert pick(0.09) == "transformers"                                       # slower here
     assert pick(0.01, drafters=("none",)) == "llama.cpp"
-    assert pick(0.01, drafters=("conditioned",)) == "transformers"            # needs hidden states
+    assert pick(0.01, drafters=("conditioned",)) == "llama.cpp"               # its hidden states are read there
     assert pick(0.01, drafters=("none",), needs_transformers=True) == "transformers"
     assert choose_backend(str(gguf), torch.bfloat16, "cpu", None, quiet=True) == "transformers"
     for bad in ({"step_s": {"llama.cpp": "fast", "transformers": 0.05}}, {"step_s": {"llama.cpp": 0.01}}, [1]):
@@ -109,6 +109,7 @@ def test_auto_falls_back_to_transformers_where_speculation_is_not_exact(tiny_mod
 
     class Probed:
         backend, speculation_exact, inexact_reason = "llama.cpp", False, "a 9-token pass differed"
+        hidden_states_exact, hidden_states_inexact_reason = True, ""
 
     loaded = []
     monkeypatch.setattr(backends, "choose_backend", lambda *a, **k: "llama.cpp")
@@ -121,6 +122,12 @@ def test_auto_falls_back_to_transformers_where_speculation_is_not_exact(tiny_mod
     assert "not llama.cpp, for speculative decoding: a 9-token pass differed" in capsys.readouterr().err
     Probed.speculation_exact = True
     assert isinstance(load_target(str(tiny_model_dir), drafters=("prompt-lookup",)), Probed)
+    # a drafter reading hidden states needs the probe of the passes that read them to pass too
+    Probed.hidden_states_exact, Probed.hidden_states_inexact_reason = False, "a 4-token pass differed"
+    assert isinstance(load_target(str(tiny_model_dir), drafters=("prompt-lookup",)), Probed)
+    target = load_target(str(tiny_model_dir), drafters=("prompt-lookup+conditioned",))
+    assert target.backend == "transformers"
+    assert "with hidden states read, a 4-token pass differed" in capsys.readouterr().err
 
 
 def test_cli_refuses_before_loading(tiny_model_dir):
@@ -161,7 +168,7 @@ def test_contract_matches_the_transformers_backend_text_side(llama_target):
     from diffspec.target import Target
 
     hf = Target.load(None, quiet=True)
-    assert llama_target.backend == "llama.cpp" and not llama_target.exposes_hidden_states
+    assert llama_target.backend == "llama.cpp" and llama_target.exposes_hidden_states
     assert llama_target.vocab_size == hf.vocab_size
     assert llama_target.stop_token_ids == hf.stop_token_ids
     assert llama_target.tokenizer_fingerprint == hf.tokenizer_fingerprint
@@ -282,10 +289,14 @@ def test_rollback_at_every_acceptance_length(llama_target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fixed-4", "fixed-12", "failfast", "auto", "block-diffusion"])
+@pytest.mark.parametrize("method", ["fixed-4", "fixed-12", "failfast", "auto", "block-diffusion",
+                                    "conditioned-auto"])
 def test_greedy_speculative_equals_plain(llama_target, method):
     t = llama_target
-    if method == "block-diffusion":
+    if method == "conditioned-auto":  # the shipped drafter, on hidden states read from llama.cpp
+        drafter = make_drafter("prompt-lookup+conditioned", t)
+        policy = make_policy("auto")
+    elif method == "block-diffusion":
         import warnings
 
         with warnings.catch_warnings():
@@ -297,7 +308,7 @@ def test_greedy_speculative_equals_plain(llama_target, method):
         policy = {"fixed-4": lambda: make_policy("fixed", gamma=4), "fixed-12": lambda: make_policy("fixed", gamma=12),
                   "failfast": lambda: make_policy("failfast"), "auto": lambda: make_policy("auto")}[method]()
     engine = SpeculativeEngine(t, drafter, policy)
-    for p in PROMPTS[:1] if method == "block-diffusion" else PROMPTS:  # its random drafter costs more a round
+    for p in PROMPTS[:1] if method in ("block-diffusion", "conditioned-auto") else PROMPTS:  # drafters that cost more
         ids = t.encode_prompt(p)
         want = plain_ids(t, ids, 80)
         got = engine.generate(ids, max_new_tokens=80)
@@ -378,11 +389,70 @@ def test_parity_probe_passes_on_the_shipped_settings_and_is_cached(llama_target)
 
 
 @pytest.mark.slow
-def test_drafters_needing_hidden_states_are_refused_by_name(llama_target):
-    with pytest.raises(DiffspecError, match="needs the target's hidden states and weights, which the llama.cpp backend"):
-        make_drafter("conditioned", llama_target)
-    # `auto` leaves the conditioned kind out on this backend
-    assert "conditioned" not in make_drafter("auto", llama_target, combine=True).describe()
+def test_hidden_states_are_the_layers_transformers_returns(llama_target):
+    """The backend's hidden states of layer i are transformers' hidden_states[i + 1] of the same GGUF
+    (dequantized): for every layer asked, the closest of transformers' layers is that one (the last
+    layer's comes normed, as transformers returns it); one pass equals a prefill plus one-token steps
+    bitwise; a prefill wider than llama.cpp's batch comes back whole; the embeddings and head a drafter
+    shares are the GGUF's own."""
+    from diffspec.target import Target
+
+    t = llama_target
+    layers = (1, 14, 27, t.num_layers - 1)
+    ids = torch.tensor(t.encode_prompt(PROMPTS[0]))
+    n = ids.shape[0]
+    t.reset()
+    whole = t.forward(ids, hidden_layers=layers)
+    assert whole.hidden_states.shape == (n, len(layers) * t.hidden_size) and whole.logits.shape[0] == n
+    t.reset()
+    first = t.forward(ids[:-3], hidden_layers=layers, logits=False)
+    assert first.logits.shape[0] == 1 and first.hidden_states.shape[0] == n - 3
+    steps = [t.forward(ids[i:i + 1], hidden_layers=layers) for i in range(n - 3, n)]
+    assert torch.equal(torch.cat([first.hidden_states] + [s.hidden_states for s in steps]), whole.hidden_states)
+    assert torch.equal(torch.cat([s.logits for s in steps]), whole.logits[-3:])
+    with pytest.raises(DiffspecError, match="must ask for them from its first pass"):
+        t.forward(ids[:1])  # a plain pass in the middle of a request that reads hidden states
+    t.reset()
+
+    hf = Target.load(None, quiet=True, kernels="stock")
+    with torch.inference_mode():
+        ref = hf.model(input_ids=ids.view(1, -1), output_hidden_states=True).hidden_states  # [0]: embeddings
+    ours = whole.hidden_states.view(n, len(layers), t.hidden_size)
+    for j, layer in enumerate(layers):
+        cos = [float(torch.nn.functional.cosine_similarity(ours[:, j], ref[i + 1][0], dim=-1).mean())
+               for i in range(t.num_layers)]
+        assert max(range(t.num_layers), key=cos.__getitem__) == layer, (layer, cos)
+        assert cos[layer] > 0.99, (layer, cos[layer])
+    assert torch.equal(t.input_embeddings()(ids), hf.input_embeddings()(ids))
+    assert torch.equal(t.output_head_weight(), hf.output_head_weight())
+    assert t.declared_vocab_size == hf.declared_vocab_size
+
+    long_ids = torch.randint(0, t.vocab_size, (700,), generator=torch.Generator().manual_seed(0))
+    t.reset()
+    wide = t.forward(long_ids, hidden_layers=(14,), logits=False).hidden_states  # 2 llama_decode calls
+    t.reset()
+    halves = torch.cat([t.forward(long_ids[:350], hidden_layers=(14,), logits=False).hidden_states,
+                        t.forward(long_ids[350:], hidden_layers=(14,), logits=False).hidden_states])
+    t.reset()
+    assert wide.shape == (700, t.hidden_size) and torch.allclose(wide, halves, atol=1e-2, rtol=1e-3)
+    with pytest.raises(DiffspecError, match="hidden layer 30 is out of range"):
+        t.forward(ids[:2], hidden_layers=(t.num_layers,))
+
+
+@pytest.mark.slow
+def test_conditioned_drafter_runs_on_the_backend_and_the_default_leaves_it_out(llama_target):
+    t = llama_target
+    record = t.parity_record(hidden_states=True)
+    assert record["exact"] and record["hidden_layers"] == [t.num_layers // 2] and record["checked_rows"] > 500
+    assert t.hidden_states_exact and t.parity_record(hidden_states=True) is record
+    assert t.parity_record() is not record and not t.parity_record()["hidden_layers"]
+    drafter = make_drafter("conditioned", t)
+    engine = SpeculativeEngine(t, drafter, make_policy("fixed", gamma=7))
+    ids = t.encode_prompt(PROMPTS[0])
+    got = engine.generate(ids, max_new_tokens=48)
+    assert got.token_ids == plain_ids(t, ids, 48) and got.accepted_tokens > 0
+    # reading hidden states costs every pass here (~12%, README), so `auto` leaves the conditioned kind out
+    assert "conditioned" not in make_drafter("auto", t, combine=True).describe()
 
 
 @pytest.mark.slow

@@ -281,8 +281,8 @@ def add_backend_option(parser) -> None:
     parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
                         help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), "
                              "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
-                             "faster and, when drafting, its verify passes measure exact; never for a drafter that "
-                             "reads hidden states; measured once per machine, cached)")
+                             "faster and, when drafting, its verify passes measure exact (with hidden states read, for a "
+                             "drafter that reads them); measured once per machine, cached)")
     from .kernels import KERNELS
 
     parser.add_argument("--kernels", default="auto", choices=list(KERNELS),

@@ -50,6 +50,11 @@ class SpeculativeEngine:
             raise DiffspecError(f"no speculative decoding on the {target.backend} backend here: "
                                 f"{target.inexact_reason}; use --drafter none for its plain speed, or --backend "
                                 f"transformers for exact speculation")
+        if (drafter is not None and not allow_inexact and drafter.capabilities.needs_target_hidden_states
+                and not target.hidden_states_exact):
+            raise DiffspecError(f"drafter '{drafter.name}' reads the target's hidden states, and on the {target.backend} "
+                                f"backend here {target.hidden_states_inexact_reason}; use a drafter that needs only "
+                                f"token ids, or --backend transformers")
         if drafter is not None:
             drafter.attach(target)
         self.target = target

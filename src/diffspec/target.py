@@ -122,8 +122,30 @@ class TargetBase:
     speculation_exact = True
     inexact_reason = ""
 
+    #: whether the default drafter (`auto`) may include one that reads hidden states on this backend
+    #: (False where reading them costs every pass more than such a drafter was measured to give back)
+    hidden_states_by_default = True
+    #: whether passes that return hidden states give the same logits as passes that do not (llama.cpp
+    #: measures it with the parity probe; a transformers pass computes the same either way)
+    hidden_states_exact = True
+    hidden_states_inexact_reason = ""
+
     def reserve(self, positions: int) -> None:
         """A hint at the request's start: the cache will hold up to `positions` positions."""
+
+    def input_embeddings(self) -> torch.nn.Module:
+        """The target's token embedding (ids -> [n, hidden], with any scale the model applies to it),
+        for drafters that share it (the conditioned kind)."""
+        raise DiffspecError(f"the {self.backend} backend does not expose the target's embeddings")
+
+    def output_head_weight(self) -> torch.Tensor:
+        """The target's output head [rows, hidden] (shared by drafters that score with it; never modified)."""
+        raise DiffspecError(f"the {self.backend} backend does not expose the target's output head")
+
+    @property
+    def declared_vocab_size(self) -> int:
+        """The vocabulary size the model's config declares (the embedding may have padding rows)."""
+        return self.vocab_size
 
     def check_drafter(self, drafter_name: str, needs_hidden_states: bool) -> None:
         """Refuse, by name, a drafter this backend cannot feed."""
@@ -290,6 +312,17 @@ class Target(TargetBase):
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()
+
+    @property
+    def declared_vocab_size(self) -> int:
+        rows = int(self.model.get_input_embeddings().weight.shape[0])
+        return int(getattr(self.model.config.get_text_config(decoder=True), "vocab_size", rows) or rows)
 
     def runtime(self) -> dict:
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""

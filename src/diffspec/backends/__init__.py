@@ -3,15 +3,16 @@
 - `transformers` (target.Target): any transformers causal LM, on CPU or CUDA, in the dtype asked for;
   a GGUF file is dequantized once into a float32 safetensors folder.
 - `llama.cpp` (backends.llama_cpp.LlamaCppTarget): a GGUF file run by llama.cpp on the CPU with
-  its own quantised kernels. Drafters that read the target's hidden states are refused on it.
+  its own quantised kernels. Drafters that read the target's hidden states run on it when named
+  (the default drafter leaves them out there: reading hidden states costs every pass).
 - `auto` (the default): llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed,
   a one-token step measures faster there than in transformers on this machine (timed once per
   machine and file, cached beside the cost tables: `choose_backend`), and, if anything will be
   drafted, the loaded llama.cpp target's parity probe finds its verify passes exact for this
   machine, file, llama.cpp version, thread count and context size (`LlamaCppTarget.parity_record`,
-  its own cache; `load_target` falls back to transformers where it does not). Transformers
-  otherwise, and always for a drafter that reads the target's hidden states (conditioned, or a
-  drafter folder or hub id, whose kind is not known until it loads).
+  its own cache; `load_target` falls back to transformers where it does not; for a drafter that
+  may read hidden states (conditioned, or a drafter folder or hub id, whose kind is not known until
+  it loads) the probe of passes that read them must pass too). Transformers otherwise.
 
 The two backends are different models numerically (llama.cpp multiplies with quantised weights and
 quantised activations; transformers with the dequantized float32 weights), so their greedy outputs
@@ -119,11 +120,16 @@ def load_target(spec: Optional[str] = None, backend: str = "auto", dtype: torch.
 def auto_keeps(target, drafters: Sequence[Optional[str]], quiet: bool = False) -> bool:
     """Whether `auto` keeps a llama.cpp target it chose for speed: yes for plain decoding, and when
     drafting only where its parity probe found verify passes exact (never trade exactness for speed)."""
-    if not is_drafting(drafters) or target.speculation_exact:
+    if not is_drafting(drafters):
+        return True
+    reason = "" if target.speculation_exact else target.inexact_reason
+    if not reason and any(drafter_needs_hidden_states(d) for d in drafters) and not target.hidden_states_exact:
+        reason = f"with hidden states read, {target.hidden_states_inexact_reason}"
+    if not reason:
         return True
     if not quiet:
-        print(f"diffspec: the target runs in transformers, not llama.cpp, for speculative decoding: "
-              f"{target.inexact_reason}", file=sys.stderr, flush=True)
+        print(f"diffspec: the target runs in transformers, not llama.cpp, for speculative decoding: {reason}",
+              file=sys.stderr, flush=True)
     return False
 
 
@@ -175,7 +181,7 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
                    quiet: bool = False, drafters: Sequence[Optional[str]] = ("auto",),
                    needs_transformers: bool = False) -> str:
     """`auto`, before anything loads: llama.cpp when the target is a GGUF file on the CPU in float32,
-    llama-cpp-python is installed, nothing needs the transformers model or hidden states, and its
+    llama-cpp-python is installed, nothing needs the transformers model, and its
     one-token step measured faster than transformers' on this machine (once per machine and file,
     cached). Exactness is the loaded target's to answer (`auto_keeps`). `max_context` is accepted
     for the callers' symmetry; the timing does not depend on it."""
@@ -184,8 +190,6 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
     from .llama_cpp import available
 
     if not str(device).startswith("cpu") or dtype != torch.float32 or not available() or needs_transformers:
-        return "transformers"
-    if any(drafter_needs_hidden_states(d) for d in drafters):
         return "transformers"
     path = gguf_file(spec)
     if path is None:

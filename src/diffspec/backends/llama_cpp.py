@@ -8,7 +8,11 @@ the same target contract as the transformers backend (`target.TargetBase`).
   back. A removal llama.cpp refuses raises RollbackError, never a silently different cache.
 - text: the GGUF's own tokenizer and chat template, read by transformers (models.gguf_text_side),
   so prompts, stop tokens and decoding are the transformers backend's, token for token.
-- hidden states: not exposed; drafters that need them are refused by name (TargetBase.check_drafter).
+- hidden states (for drafters conditioned on them): read during llama_decode by llama.cpp's eval
+  callback, from the graph's per-layer outputs (`l_out-<i>`; the last layer's is `result_norm`, as
+  transformers returns it normed), in a second llama.cpp context that has the callback; plain
+  requests never pay for it. The embeddings and output head such a drafter shares with the target
+  are the GGUF's own, dequantized once (`gguf`).
 
 Exactness: the engine's plain decoding on this backend is the same loop with one-token passes, and
 a verify pass must give every row the logits a one-token pass would give. llama.cpp's CPU attention
@@ -104,11 +108,102 @@ PARITY_WIDTHS = (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 63, 64)
 PARITY_CONTEXTS = (40, 500)
 
 
+class _TensorHead(ctypes.Structure):
+    """`struct ggml_tensor` (ggml.h) up to its name: what the eval callback reads of a graph node. The
+    layout is checked against the library at the first call (ggml_get_name's address, ggml_nelements)."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+_NAME_OFFSET = _TensorHead.name.offset
+GGML_TYPE_F32 = 0
+
+
+def _ggml_library():
+    """libggml-base from llama-cpp-python's own folder (the one llama.cpp was built with)."""
+    lib = import_llama_cpp()
+    folder = Path(lib.__file__).parent / "lib"
+    for path in sorted(folder.glob("libggml-base.*")) + sorted(folder.glob("ggml-base.*")):
+        try:
+            ggml = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        ggml.ggml_get_name.restype = ctypes.c_void_p
+        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+        ggml.ggml_nelements.restype = ctypes.c_int64
+        ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_tensor_get.restype = None
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        return ggml
+    raise DiffspecError(f"reading hidden states on the llama.cpp backend needs libggml-base in {folder}; not found")
+
+
+class _HiddenCapture:
+    """llama.cpp's eval callback (`cb_eval`): during a llama_decode, copies out the graph nodes named in
+    `wanted` (float32, [rows, width]). The scheduler asks about every node of the graph (~1,100 a pass
+    for SmolLM2-135M), so a pass pays ~1 us a node in Python: only the context made for hidden states
+    carries this callback."""
+
+    def __init__(self, lib):
+        self._ggml = _ggml_library()
+        self.wanted: dict = {}       # node name (bytes) -> list of [rows, width] arrays
+        self.error: Optional[str] = None
+        self._checked = False
+        self.fn = lib.llama_cpp.ggml_backend_sched_eval_callback(self._callback)
+
+    def expect(self, names: Sequence[bytes]) -> None:
+        self.wanted = {n: [] for n in names}
+        self.error = None
+
+    def _callback(self, t, ask, user_data):
+        try:
+            name = ctypes.string_at(t + _NAME_OFFSET)
+            if ask:
+                return name in self.wanted
+            if name not in self.wanted:
+                return True
+            head = _TensorHead.from_address(t)
+            if not self._checked:
+                if (self._ggml.ggml_get_name(t) != t + _NAME_OFFSET
+                        or self._ggml.ggml_nelements(t) != head.ne[0] * head.ne[1] * head.ne[2] * head.ne[3]):
+                    raise RuntimeError("ggml_tensor's layout is not the one this backend reads (another ggml version)")
+                self._checked = True
+            width, rows = int(head.ne[0]), int(head.ne[1])
+            if head.type != GGML_TYPE_F32 or head.ne[2] != 1 or head.ne[3] != 1 or head.nb[1] != 4 * width:
+                raise RuntimeError(f"node {name.decode()} is not a contiguous float32 matrix")
+            out = np.empty((rows, width), dtype=np.float32)
+            self._ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+            self.wanted[name].append(out)
+        except Exception as e:  # an exception must not cross into C; forward() raises it
+            self.error = self.error or f"{type(e).__name__}: {e}"
+            return bool(ask) is False  # ask: observe nothing more; after a node: let the pass finish
+        return True
+
+
+class _SharedEmbedding(torch.nn.Module):
+    """The target's token embedding as a module (ids -> rows), with the model's scale if it has one."""
+
+    def __init__(self, weight: torch.Tensor, scale: Optional[float] = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.nn.functional.embedding(ids, self.weight)
+        return rows * torch.tensor(self.scale, dtype=rows.dtype) if self.scale is not None else rows
+
+
 class LlamaCppTarget(TargetBase):
     """A GGUF model run by llama.cpp, one sequence, with a KV cache that can be rolled back."""
 
     backend = "llama.cpp"
-    exposes_hidden_states = False
+    exposes_hidden_states = True
+    # reading hidden states costs every pass a Python call per graph node (~0.9-4 ms a pass for
+    # SmolLM2-135M, 2 cores) and the conditioned drafter was measured not to pay that back here
+    # (README, "The llama.cpp backend"); it runs when named
+    hidden_states_by_default = False
     # the widest verify pass the parity probe checks (k <= 63 drafted tokens a round); wider passes
     # are never needed (the policies stop at 60) and are not checked
     max_verify_tokens = 64
@@ -158,10 +253,14 @@ class LlamaCppTarget(TargetBase):
         # one-token pass's: logits differed by up to 1.8 and argmaxes flipped (2 of 40 rows bitwise equal,
         # AVX2, SmolLM2 Q4_1). The parity probe holds the combination to it on every machine.
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self._cparams = cparams
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise DiffspecError(f"llama.cpp could not create a context of {self.max_context} tokens for {gguf}")
+        self._plain_ctx = self._ctx
+        self._capture_ctx = None        # a second context with the eval callback, made on first need
+        self._capture: Optional[_HiddenCapture] = None
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self._batch_cap, 0, 1)
         self.device = torch.device("cpu")
@@ -172,7 +271,8 @@ class LlamaCppTarget(TargetBase):
         self.forward_passes = 0
         self._len = 0
         self._fingerprint: Optional[str] = None
-        self._parity: Optional[dict] = None
+        self._parity: dict = {}
+        self._shared_weights = None  # (embedding module, head weight), dequantized from the GGUF on first need
 
     @classmethod
     def load(cls, spec: Optional[str] = None, max_context: Optional[int] = None, quiet: bool = False,
@@ -197,9 +297,11 @@ class LlamaCppTarget(TargetBase):
             if getattr(self, "_batch", None) is not None:
                 lib.llama_batch_free(self._batch)
                 self._batch = None
-            if getattr(self, "_ctx", None):
-                lib.llama_free(self._ctx)
-                self._ctx = None
+            for name in ("_plain_ctx", "_capture_ctx"):
+                if getattr(self, name, None):
+                    lib.llama_free(getattr(self, name))
+                    setattr(self, name, None)
+            self._ctx = None
             if getattr(self, "_model", None):
                 lib.llama_model_free(self._model)
                 self._model = None
@@ -225,6 +327,38 @@ class LlamaCppTarget(TargetBase):
             raise RollbackError(f"llama.cpp could not roll its cache back from {self._len} to {length} positions")
         self._len = length
 
+    def _use_context(self, capture: bool) -> None:
+        """Run the next passes in the context with the eval callback (capture) or the plain one. A
+        request keeps one context from its first pass on: the KV cache lives in the context."""
+        want = self._capture_ctx if capture else self._plain_ctx
+        if want is not None and self._ctx == want:
+            return
+        if self._len:
+            raise DiffspecError("the llama.cpp backend reads hidden states in another context than plain passes: a "
+                                "request must ask for them from its first pass on (reset() the target first)")
+        if want is None:
+            self._capture = _HiddenCapture(self._lib)
+            self._cparams.cb_eval = self._capture.fn
+            self._cparams.cb_eval_user_data = None
+            want = self._lib.llama_init_from_model(self._model, self._cparams)
+            if not want:
+                raise DiffspecError(f"llama.cpp could not create a second context (for hidden states) of "
+                                    f"{self.max_context} tokens for {self.gguf}")
+            self._capture_ctx = want
+        self._ctx = want
+        self._mem = self._lib.llama_get_memory(want)
+        self._lib.llama_memory_clear(self._mem, True)
+
+    def _node_names(self, hidden_layers: Sequence[int]) -> list:
+        """llama.cpp's graph names for the outputs of these layers: `l_out-<i>`, and for the last layer
+        `result_norm` (the final norm applied, which is what transformers returns for it)."""
+        names = []
+        for i in hidden_layers:
+            if not 0 <= int(i) < self.num_layers:
+                raise DiffspecError(f"hidden layer {i} is out of range: the target has {self.num_layers} layers")
+            names.append(b"result_norm" if int(i) == self.num_layers - 1 else f"l_out-{int(i)}".encode())
+        return names
+
     # --- forward -----------------------------------------------------------------------
     def _decode(self, ids: Sequence[int], start: int, logits_from: int) -> None:
         """One llama_decode of ids at positions start.., logits for rows >= logits_from."""
@@ -247,8 +381,7 @@ class LlamaCppTarget(TargetBase):
         """Append `tokens` [n] to the cache; logits [n, V] (row i predicts the token after tokens[i]),
         or [1, V] for the last row only with logits=False. Passes wider than the batch capacity (a long
         prefill) run in chunks; each verify pass of a round is one llama_decode."""
-        if hidden_layers:
-            self.check_drafter("(a drafter reading hidden states)", True)
+        names = self._node_names(hidden_layers) if hidden_layers else []
         ids = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
         n = len(ids)
         if n == 0:
@@ -257,7 +390,11 @@ class LlamaCppTarget(TargetBase):
             raise DiffspecError(f"sequence of {self._len + n} tokens exceeds the model's context of {self.max_context}")
         if any(t < 0 or t >= self._n_vocab for t in ids):
             raise DiffspecError(f"token ids must be in [0, {self._n_vocab})")
-        wanted = 0 if logits else n - 1
+        self._use_context(bool(names))
+        if names:
+            self._capture.expect(names)
+        # the last layer's output exists only for rows that output logits: then every row does
+        wanted = 0 if logits or b"result_norm" in names else n - 1
         rows = []
         for s in range(0, n, self._batch_cap):
             chunk = ids[s: s + self._batch_cap]
@@ -272,7 +409,65 @@ class LlamaCppTarget(TargetBase):
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(out * self._n_vocab,)).copy())
                             .view(out, self._n_vocab))
         self.forward_passes += 1
-        return TargetOutput(torch.cat(rows) if len(rows) > 1 else rows[0], None)
+        logits_out = torch.cat(rows) if len(rows) > 1 else rows[0]
+        if not logits:
+            logits_out = logits_out[-1:]
+        return TargetOutput(logits_out, self._captured(names, n) if names else None)
+
+    def _captured(self, names: list, n: int) -> torch.Tensor:
+        """The hidden states the callback copied out during this pass: [n, len(names) * hidden]."""
+        cap = self._capture
+        if cap.error:
+            raise DiffspecError(f"reading hidden states from llama.cpp failed: {cap.error}")
+        parts = []
+        for name in names:
+            got = cap.wanted[name]
+            rows = sum(a.shape[0] for a in got)
+            if rows != n:
+                raise DiffspecError(f"llama.cpp's graph for {self.gguf.name} gave {rows} rows of '{name.decode()}' for a "
+                                    f"pass of {n} tokens (a model whose graph names its layer outputs otherwise "
+                                    f"cannot feed a drafter that reads hidden states)")
+            parts.append(np.concatenate(got) if len(got) > 1 else got[0])
+        return torch.from_numpy(np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
+
+    # --- what a conditioned drafter shares with the target ----------------------------------
+    def _weights(self) -> tuple:
+        """(embedding, head weight) dequantized from the GGUF (float32), once; a tied head shares the
+        embedding's tensor. A Gemma embedding carries its sqrt(hidden) scale, as transformers' does."""
+        if self._shared_weights is None:
+            try:
+                import gguf
+            except ImportError as e:
+                raise DiffspecError(f"reading the GGUF's embeddings needs the `gguf` package ({e})") from None
+            reader = gguf.GGUFReader(str(self.gguf))
+            tensors = {t.name: t for t in reader.tensors}
+            if "token_embd.weight" not in tensors:
+                raise DiffspecError(f"{self.gguf} has no token_embd.weight tensor to share with a drafter")
+
+            def dequantized(t) -> torch.Tensor:
+                try:
+                    w = gguf.quants.dequantize(t.data, t.tensor_type)
+                except (NotImplementedError, ValueError, KeyError) as e:
+                    raise DiffspecError(f"cannot dequantize {t.name} ({t.tensor_type.name}) of {self.gguf}: {e}") from None
+                return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).view(-1, self.hidden_size)
+
+            embed_w = dequantized(tensors["token_embd.weight"])
+            head_w = dequantized(tensors["output.weight"]) if "output.weight" in tensors else embed_w
+            model_type = str(getattr(self.config, "model_type", "") or "")
+            scale = float(self.hidden_size) ** 0.5 if model_type.startswith("gemma") else None
+            self._shared_weights = (_SharedEmbedding(embed_w, scale), head_w)
+        return self._shared_weights
+
+    def input_embeddings(self) -> torch.nn.Module:
+        return self._weights()[0]
+
+    def output_head_weight(self) -> torch.Tensor:
+        return self._weights()[1]
+
+    @property
+    def declared_vocab_size(self) -> int:
+        declared = getattr(self.config, "vocab_size", None) if self.config is not None else None
+        return int(declared or self._n_vocab)
 
     # --- facts -------------------------------------------------------------------------
     @property
@@ -292,14 +487,17 @@ class LlamaCppTarget(TargetBase):
         return self._fingerprint
 
     # --- exactness ---------------------------------------------------------------------
-    def parity_probe(self, widths: Sequence[int] = PARITY_WIDTHS, contexts: Sequence[int] = PARITY_CONTEXTS) -> dict:
+    def parity_probe(self, widths: Sequence[int] = PARITY_WIDTHS, contexts: Sequence[int] = PARITY_CONTEXTS,
+                     hidden_layers: Sequence[int] = ()) -> dict:
         """Measure whether a verify pass equals one-token steps, bitwise, on this machine and model.
 
         After `c` tokens of context (a fixed pseudo-random sequence; prefilled as the engine does), m
         one-token steps give the reference rows; then for each width w the cache is rolled back to c,
         w tokens go through in one pass and every row is compared; then it is rolled back to the middle
-        of that pass and one token goes again. Returns {"exact", "checked_rows", "first_mismatch",
-        "seconds", ...}. Resets the cache."""
+        of that pass and one token goes again. With `hidden_layers` the passes under test read those
+        layers' outputs (the eval-callback context a conditioned drafter runs in), the reference rows
+        stay plain one-token steps. Returns {"exact", "checked_rows", "first_mismatch", "seconds", ...}.
+        Resets the cache."""
         import time
 
         widths, contexts = self._probe_plan(widths, contexts)
@@ -312,16 +510,20 @@ class LlamaCppTarget(TargetBase):
         rng = np.random.default_rng(0)
         seq = [int(t) for t in rng.integers(0, self._n_vocab, max(contexts) + m + 1)]
         t0, checked, mismatch = time.perf_counter(), 0, None
+        hidden_layers = tuple(hidden_layers)
         for c in contexts:
             self.reset()
             self.forward(seq[:c], logits=False)
             ref = torch.cat([self.forward(seq[c + i: c + i + 1]).logits for i in range(m)])
+            if hidden_layers:
+                self.reset()
+                self.forward(seq[:c], hidden_layers=hidden_layers, logits=False)
             for w in widths:
                 self.truncate(c)
-                rows = self.forward(seq[c: c + w]).logits
+                rows = self.forward(seq[c: c + w], hidden_layers=hidden_layers).logits
                 half = w // 2
                 self.truncate(c + half)
-                again = self.forward(seq[c + half: c + half + 1]).logits
+                again = self.forward(seq[c + half: c + half + 1], hidden_layers=hidden_layers).logits
                 checked += w + 1
                 for label, got, want in (("pass", rows, ref[:w]), ("after rollback", again, ref[half: half + 1])):
                     if not torch.equal(got, want):
@@ -336,7 +538,8 @@ class LlamaCppTarget(TargetBase):
         self.reset()
         return {"exact": mismatch is None, "first_mismatch": mismatch, "checked_rows": checked,
                 "widths": list(widths), "contexts": list(contexts), "kv_cache_types": list(self.kv_cache_types),
-                "threads": self.threads, "seconds": round(time.perf_counter() - t0, 2)}
+                "threads": self.threads, "hidden_layers": list(hidden_layers),
+                "seconds": round(time.perf_counter() - t0, 2)}
 
     def _probe_plan(self, widths: Sequence[int], contexts: Sequence[int]) -> tuple:
         """The widths and contexts the probe can run within this target's context (a small
@@ -347,13 +550,15 @@ class LlamaCppTarget(TargetBase):
         room = self.max_context - max(widths) - 1
         return tuple(widths), tuple(sorted({min(c, room) for c in contexts if min(c, room) >= 1}))
 
-    def parity_record(self, recheck: bool = False) -> dict:
+    def parity_record(self, recheck: bool = False, hidden_states: bool = False) -> dict:
         """The parity probe's answer for this machine x model x llama.cpp version x settings (threads,
         cache types, what the context size lets it check): read from the cost cache, or measured (a
         few seconds, announced) and written there. A context too small to check anything is answered
-        "not exact" without a probe and is not cached."""
-        if self._parity is not None and not recheck:
-            return self._parity
+        "not exact" without a probe and is not cached. `hidden_states`: the answer for passes that read
+        hidden states (the middle layer's; the callback is the same for any), measured on first need."""
+        if hidden_states in self._parity and not recheck:
+            return self._parity[hidden_states]
+        layers = (self.num_layers // 2,) if hidden_states else ()
         import json
         import sys
 
@@ -362,11 +567,11 @@ class LlamaCppTarget(TargetBase):
 
         plan = self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS)
         if not plan[0] or not plan[1]:
-            self._parity = self.parity_probe()
-            return self._parity
+            self._parity[hidden_states] = self.parity_probe(hidden_layers=layers)
+            return self._parity[hidden_states]
         key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
-                        getattr(self._lib, "__version__", "?"), plan)
-        where = cost_dir() / f"parity-{key}.json"
+                        getattr(self._lib, "__version__", "?"), plan, *(("hidden", layers) if layers else ()))
+        where = cost_dir() / f"parity-{'hidden-' if layers else ''}{key}.json"
         record = None
         if not recheck:
             try:
@@ -377,12 +582,13 @@ class LlamaCppTarget(TargetBase):
                 record = None
         if record is None:
             if not self.quiet:
-                print("diffspec: checking that llama.cpp's verify passes equal its one-token steps on this machine "
-                      "(once; cached)", file=sys.stderr, flush=True)
-            record = self.parity_probe()
+                what = " (passes that read hidden states)" if layers else ""
+                print(f"diffspec: checking that llama.cpp's verify passes{what} equal its one-token steps on this "
+                      f"machine (once; cached)", file=sys.stderr, flush=True)
+            record = self.parity_probe(hidden_layers=layers)
             record["file"] = str(self.gguf)
             try_write_cache(where, json.dumps(record, indent=1), "the parity probe's answer")
-        self._parity = record
+        self._parity[hidden_states] = record
         return record
 
     @property
@@ -391,9 +597,22 @@ class LlamaCppTarget(TargetBase):
         return bool(self.parity_record()["exact"])
 
     @property
+    def hidden_states_exact(self) -> bool:
+        """Whether verify passes that read hidden states equal plain one-token steps (measured once)."""
+        return bool(self.parity_record(hidden_states=True)["exact"])
+
+    @property
+    def hidden_states_inexact_reason(self) -> str:
+        return self._reason(self.parity_record(hidden_states=True))
+
+    @property
     def inexact_reason(self) -> str:
         """Why speculation here is not known to be exact (for the engine's refusal)."""
-        m = self.parity_record().get("first_mismatch") or {}
+        return self._reason(self.parity_record())
+
+    @staticmethod
+    def _reason(record: dict) -> str:
+        m = record.get("first_mismatch") or {}
         if "why" in m:
             return f"its verify passes could not be checked for exactness ({m['why']})"
         return (f"its verify passes are not exact on this machine (a {m.get('width')}-token pass after "

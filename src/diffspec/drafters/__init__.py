@@ -82,7 +82,7 @@ def make_drafter(spec: Optional[str], target=None, dtype: torch.dtype = torch.fl
     check_drafter_dtype(compute_dtype)
     if spec == "auto":
         spec = default_drafter_name(target.name if target is not None else None, combine,
-                                    getattr(target, "exposes_hidden_states", True))
+                                    getattr(target, "hidden_states_by_default", True))
     if spec is not None and "+" in spec:
         names = spec.split("+")
         bad = [n for n in names if n in ("", "none", "auto") or "+" in n]
@@ -120,7 +120,7 @@ def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optio
         return None
     if spec == "auto":
         spec = default_drafter_name(target.name if target is not None else None,
-                                    hidden_states=getattr(target, "exposes_hidden_states", True))
+                                    hidden_states=getattr(target, "hidden_states_by_default", True))
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
     if spec in TRAINABLE_KINDS:

@@ -238,13 +238,13 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
             raise DiffspecError(f"conditioned drafter '{self.name}' was built for a target of {cfg.num_target_layers} "
                                 f"layers (it reads layers {list(cfg.target_layer_ids)}); the target has "
                                 f"{target.num_layers}: it was built for another target")
-        rows = int(target.model.get_input_embeddings().weight.shape[0])
-        declared = getattr(target.model.config.get_text_config(decoder=True), "vocab_size", rows)
-        if cfg.vocab_size not in (rows, declared) or not 0 <= cfg.mask_token_id < rows:
+        embed = target.input_embeddings()
+        rows = int(embed.weight.shape[0])
+        if cfg.vocab_size not in (rows, target.declared_vocab_size) or not 0 <= cfg.mask_token_id < rows:
             raise DiffspecError(f"conditioned drafter '{self.name}' was built for a vocabulary of {cfg.vocab_size} "
                                 f"rows (mask token {cfg.mask_token_id}); the target's embeddings have {rows} rows")
-        self._embed = target.model.get_input_embeddings()
-        self._target_head = target.model.get_output_embeddings().weight.detach()  # shared, never modified
+        self._embed = embed
+        self._target_head = target.output_head_weight()  # shared, never modified
         self._head_weight = self.model.head_weight(self._target_head)
         self.vocab_size = target.vocab_size
         self._settle_dtype()
