@@ -217,3 +217,23 @@ def test_block_drafter_with_a_draft_vocabulary_keeps_it_through_a_round_trip(tmp
         BlockDiffusionDrafter(dllm(v), config, draft_token_ids=torch.tensor([1, v]))
     with pytest.raises(DiffspecError, match="distinct"):
         BlockDiffusionDrafter(dllm(v), config, draft_token_ids=torch.tensor([1, 1]))
+
+
+def test_a_reduced_draft_vocabulary_is_refused_where_the_head_transforms_its_logits_otherwise():
+    """The reduced head reproduces a softcap (Gemma 2/3); a head transform it does not know (Cohere's
+    logit_scale) would silently lower acceptance, so such a model is refused by name."""
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    small = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16)
+    config = BlockDiffusionConfig(mask_token_id=39, block_size=4, sub_block_size=2)
+    ids = torch.tensor([1, 2, 5, 7])
+    torch.manual_seed(0)
+    cohere = CohereForCausalLM(CohereConfig(**small, logit_scale=0.0625, tie_word_embeddings=False)).eval()
+    with pytest.raises(DiffspecError, match=r"CohereForCausalLM\) transforms its logits"):
+        BlockDiffusionDrafter(cohere, config, draft_token_ids=ids)
+    cohere.logit_scale = 1.0  # an identity scale: nothing to reproduce
+    assert torch.equal(BlockDiffusionDrafter(cohere, config, draft_token_ids=ids).draft_token_ids, ids)
+    gemma = Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=0.5, sliding_window=64,
+                                           layer_types=["full_attention"])).eval()
+    assert torch.equal(BlockDiffusionDrafter(gemma, config, draft_token_ids=ids).draft_token_ids, ids)

@@ -140,10 +140,7 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
             self._draft_head = (head.weight[self.draft_token_ids].contiguous(),
                                 None if bias is None else bias[self.draft_token_ids].contiguous())
         weight, bias = self._draft_head
-        small = torch.nn.functional.linear(hidden, weight, bias).float()
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        if cap:  # Gemma-style heads squash their logits; the reduced head does the same
-            small = torch.tanh(small / cap) * cap
+        small = reduced_head(self.model, hidden, weight, bias)
         width = self.vocab_size or self.model.config.vocab_size
         return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
 
@@ -240,9 +237,22 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
                 f"{'shifted' if c.logit_shift else 'unshifted'}, {vocab}{self._dtype_text()})")
 
 
+def reduced_head(model, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The output head's rows `weight` (and `bias`) applied to `hidden`, with the transform the model's
+    head applies after its matmul where that is a softcap (Gemma); float32. Any other transform
+    (e.g. Cohere's logit_scale) is caught by check_draft_token_ids, never silently left out."""
+    small = torch.nn.functional.linear(hidden, weight, bias).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma-style heads squash their logits
+        small = torch.tanh(small / cap) * cap
+    return small
+
+
 def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str) -> Optional[torch.Tensor]:
-    """A reduced draft vocabulary: distinct token ids inside the head, never the mask. -> int64 ids on the
-    model's device (None stays None)."""
+    """A reduced draft vocabulary: distinct token ids inside the head, never the mask, and a model whose
+    logits the reduced head reproduces (one token through the whole model against its decoder + the
+    head's rows: a head transform `reduced_head` does not know would otherwise lower acceptance
+    silently). -> int64 ids on the model's device (None stays None)."""
     if ids is None:
         return None
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
@@ -251,4 +261,17 @@ def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int
         raise DiffspecError(f"block-diffusion drafter '{name}': draft_token_ids must be distinct ids in [0, {rows})")
     if bool((ids == mask_token_id).any()):
         raise DiffspecError(f"block-diffusion drafter '{name}': the mask token {mask_token_id} cannot be drafted")
-    return ids.to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    with torch.inference_mode():
+        x = torch.tensor([[mask_token_id]], device=device)
+        full = model(input_ids=x).logits[0, -1].float()[ids]
+        hidden = model.get_decoder()(input_ids=x).last_hidden_state[0, -1:]
+        head = model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        small = reduced_head(model, hidden, head.weight[ids], None if bias is None else bias[ids])[0]
+    if not torch.allclose(small, full, rtol=1e-3, atol=1e-3 * float(full.abs().max()) + 1e-6):
+        raise DiffspecError(f"block-diffusion drafter '{name}': its model ({type(model).__name__}) transforms its "
+                            f"logits in a way a reduced draft vocabulary does not reproduce (largest difference "
+                            f"{float((small - full).abs().max()):.3g}); use the whole vocabulary (no draft_token_ids)")
+    return ids
