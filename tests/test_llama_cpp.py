@@ -423,6 +423,9 @@ def test_hidden_states_are_the_layers_transformers_returns(llama_target):
                for i in range(t.num_layers)]
         assert max(range(t.num_layers), key=cos.__getitem__) == layer, (layer, cos)
         assert cos[layer] > 0.99, (layer, cos[layer])
+        # and the same scale: the last layer comes normed, as transformers returns it
+        scale = float(ours[:, j].norm(dim=-1).mean() / ref[layer + 1][0].norm(dim=-1).mean())
+        assert 0.95 < scale < 1.05, (layer, scale)
     assert torch.equal(t.input_embeddings()(ids), hf.input_embeddings()(ids))
     assert torch.equal(t.output_head_weight(), hf.output_head_weight())
     assert t.declared_vocab_size == hf.declared_vocab_size
@@ -443,7 +446,8 @@ def test_hidden_states_are_the_layers_transformers_returns(llama_target):
 def test_conditioned_drafter_runs_on_the_backend_and_the_default_leaves_it_out(llama_target):
     t = llama_target
     record = t.parity_record(hidden_states=True)
-    assert record["exact"] and record["hidden_layers"] == [t.num_layers // 2] and record["checked_rows"] > 500
+    # the layers a conditioned drafter reads by default, and the last (every row then outputs logits)
+    assert record["exact"] and record["hidden_layers"] == [1, 14, 27, 29] and record["checked_rows"] > 500
     assert t.hidden_states_exact and t.parity_record(hidden_states=True) is record
     assert t.parity_record() is not record and not t.parity_record()["hidden_layers"]
     drafter = make_drafter("conditioned", t)
@@ -453,6 +457,52 @@ def test_conditioned_drafter_runs_on_the_backend_and_the_default_leaves_it_out(l
     assert got.token_ids == plain_ids(t, ids, 48) and got.accepted_tokens > 0
     # reading hidden states costs every pass here (~12%, README), so `auto` leaves the conditioned kind out
     assert "conditioned" not in make_drafter("auto", t, combine=True).describe()
+    # a model without a shipped drafter gets a random one shaped from the GGUF's config (lossless, accepts little)
+    import warnings
+
+    name, t.name = t.name, "a-gguf-without-a-shipped-drafter"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            random = make_drafter("conditioned", t)
+    finally:
+        t.name = name
+    assert "random" in random.name
+    got = SpeculativeEngine(t, random, make_policy("fixed", gamma=4)).generate(ids, max_new_tokens=12)
+    assert got.token_ids == plain_ids(t, ids, 12) and got.drafted_tokens > 0
+
+
+@pytest.mark.slow
+def test_a_failure_inside_the_hidden_state_callback_is_raised_with_the_cache_as_before(llama_target, monkeypatch):
+    """An exception in the eval callback (here: copying a node out) must not cross into C: the pass
+    finishes, the error is raised from forward() by name, the cache is cut back to where the pass began,
+    and the next pass works. A KeyboardInterrupt comes out as itself."""
+    t = llama_target
+    ids = torch.tensor(t.encode_prompt(PROMPTS[1]))
+    t.reset()
+    t.forward(ids[:-4], hidden_layers=(14,), logits=False)
+    before = t.cache_len
+    ggml = t._capture._ggml
+
+    class Boom:
+        def __init__(self, error):
+            self.error = error
+
+        def __call__(self, *args):
+            raise self.error
+
+    for error, expected in ((RuntimeError("boom"), DiffspecError), (KeyboardInterrupt(), KeyboardInterrupt)):
+        monkeypatch.setattr(ggml, "ggml_backend_tensor_get", Boom(error))
+        with pytest.raises(expected, match="reading hidden states from llama.cpp failed: RuntimeError: boom"
+                           if expected is DiffspecError else None):
+            t.forward(ids[-4:], hidden_layers=(14,))
+        assert t.cache_len == before
+        monkeypatch.undo()
+    want = t.forward(ids[-4:], hidden_layers=(14,))
+    t.truncate(before)
+    again = t.forward(ids[-4:], hidden_layers=(14,))
+    t.reset()
+    assert torch.equal(want.logits, again.logits) and torch.equal(want.hidden_states, again.hidden_states)
 
 
 @pytest.mark.slow

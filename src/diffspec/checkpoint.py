@@ -233,7 +233,7 @@ def random_drafter(kind: str, target, seed: int = 0, dtype: torch.dtype = torch.
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         if kind == "conditioned":
-            cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=0)
+            cfg = ConditionedConfig.for_target(target.config, mask_token_id=0)
             model = ConditionedDraftModel(cfg).to(device=target.device, dtype=dtype)
             return ConditionedDrafter(model, target.tokenizer_fingerprint, name=f"{kind} (random)")
         body = LlamaConfig(vocab_size=v + 1, hidden_size=256, intermediate_size=768, num_hidden_layers=4,

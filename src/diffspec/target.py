@@ -109,6 +109,7 @@ class TargetBase:
     backend = "abstract"
     tokenizer = None
     name = "model"
+    config = None  # the model's transformers config (shapes); a GGUF's is read from the file
     #: the drafters that need the target's hidden states (or its weights) can run on this backend
     exposes_hidden_states = True
     #: the widest pass whose every row equals a one-token pass (None: any width); the engine never
@@ -312,6 +313,10 @@ class Target(TargetBase):
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def config(self):
+        return self.model.config
 
     def input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()

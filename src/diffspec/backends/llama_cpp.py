@@ -149,7 +149,7 @@ class _HiddenCapture:
     def __init__(self, lib):
         self._ggml = _ggml_library()
         self.wanted: dict = {}       # node name (bytes) -> list of [rows, width] arrays
-        self.error: Optional[str] = None
+        self.error: Optional[BaseException] = None
         self._checked = False
         self.fn = lib.llama_cpp.ggml_backend_sched_eval_callback(self._callback)
 
@@ -159,26 +159,27 @@ class _HiddenCapture:
 
     def _callback(self, t, ask, user_data):
         try:
+            if not self._checked:  # before any name is read: a wrong layout would only ever match nothing
+                head = _TensorHead.from_address(t)
+                if (self._ggml.ggml_get_name(t) != t + _NAME_OFFSET
+                        or self._ggml.ggml_nelements(t) != head.ne[0] * head.ne[1] * head.ne[2] * head.ne[3]):
+                    raise RuntimeError("ggml_tensor's layout is not the one this backend reads (another ggml version)")
+                self._checked = True
             name = ctypes.string_at(t + _NAME_OFFSET)
             if ask:
                 return name in self.wanted
             if name not in self.wanted:
                 return True
             head = _TensorHead.from_address(t)
-            if not self._checked:
-                if (self._ggml.ggml_get_name(t) != t + _NAME_OFFSET
-                        or self._ggml.ggml_nelements(t) != head.ne[0] * head.ne[1] * head.ne[2] * head.ne[3]):
-                    raise RuntimeError("ggml_tensor's layout is not the one this backend reads (another ggml version)")
-                self._checked = True
             width, rows = int(head.ne[0]), int(head.ne[1])
             if head.type != GGML_TYPE_F32 or head.ne[2] != 1 or head.ne[3] != 1 or head.nb[1] != 4 * width:
                 raise RuntimeError(f"node {name.decode()} is not a contiguous float32 matrix")
             out = np.empty((rows, width), dtype=np.float32)
             self._ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
             self.wanted[name].append(out)
-        except Exception as e:  # an exception must not cross into C; forward() raises it
-            self.error = self.error or f"{type(e).__name__}: {e}"
-            return bool(ask) is False  # ask: observe nothing more; after a node: let the pass finish
+        except BaseException as e:  # nothing may cross into C (ctypes would swallow it, Ctrl-C included)
+            self.error = self.error or e
+            return not ask  # asked: observe nothing more; after a node: let the pass finish, then raise
         return True
 
 
@@ -395,13 +396,20 @@ class LlamaCppTarget(TargetBase):
             self._capture.expect(names)
         # the last layer's output exists only for rows that output logits: then every row does
         wanted = 0 if logits or b"result_norm" in names else n - 1
-        rows = []
+        rows, before = [], self._len
         for s in range(0, n, self._batch_cap):
             chunk = ids[s: s + self._batch_cap]
             first = max(0, wanted - s)
             if first >= len(chunk):
                 first = len(chunk)  # no logits from this chunk
             self._decode(chunk, self._len, first)
+            if names and self._capture.error is not None:  # the pass finished; its hidden states did not come out
+                self._lib.llama_memory_seq_rm(self._mem, 0, before, -1)
+                self._len = before
+                error, self._capture.error = self._capture.error, None
+                if not isinstance(error, Exception):
+                    raise error  # KeyboardInterrupt and the like, as raised
+                raise DiffspecError(f"reading hidden states from llama.cpp failed: {type(error).__name__}: {error}")
             self._len += len(chunk)
             if first < len(chunk):
                 out = len(chunk) - first
@@ -417,8 +425,6 @@ class LlamaCppTarget(TargetBase):
     def _captured(self, names: list, n: int) -> torch.Tensor:
         """The hidden states the callback copied out during this pass: [n, len(names) * hidden]."""
         cap = self._capture
-        if cap.error:
-            raise DiffspecError(f"reading hidden states from llama.cpp failed: {cap.error}")
         parts = []
         for name in names:
             got = cap.wanted[name]
@@ -449,7 +455,8 @@ class LlamaCppTarget(TargetBase):
                     w = gguf.quants.dequantize(t.data, t.tensor_type)
                 except (NotImplementedError, ValueError, KeyError) as e:
                     raise DiffspecError(f"cannot dequantize {t.name} ({t.tensor_type.name}) of {self.gguf}: {e}") from None
-                return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).view(-1, self.hidden_size)
+                # a copy: an f32 tensor comes back as a view of the read-only file mapping
+                return torch.from_numpy(np.array(w, dtype=np.float32, copy=True)).view(-1, self.hidden_size)
 
             embed_w = dequantized(tensors["token_embd.weight"])
             head_w = dequantized(tensors["output.weight"]) if "output.weight" in tensors else embed_w
@@ -466,8 +473,8 @@ class LlamaCppTarget(TargetBase):
 
     @property
     def declared_vocab_size(self) -> int:
-        declared = getattr(self.config, "vocab_size", None) if self.config is not None else None
-        return int(declared or self._n_vocab)
+        text = self.config.get_text_config(decoder=True) if self.config is not None else None
+        return int(getattr(text, "vocab_size", None) or self._n_vocab)
 
     # --- facts -------------------------------------------------------------------------
     @property
@@ -555,10 +562,25 @@ class LlamaCppTarget(TargetBase):
         cache types, what the context size lets it check): read from the cost cache, or measured (a
         few seconds, announced) and written there. A context too small to check anything is answered
         "not exact" without a probe and is not cached. `hidden_states`: the answer for passes that read
-        hidden states (the middle layer's; the callback is the same for any), measured on first need."""
+        hidden states (those a conditioned drafter reads by default, and the last layer, which makes every
+        row output logits), measured on first need; a failure to read them is answered "not exact" (not
+        cached), never raised, so `auto` can fall back to transformers."""
         if hidden_states in self._parity and not recheck:
             return self._parity[hidden_states]
-        layers = (self.num_layers // 2,) if hidden_states else ()
+        layers = ()
+        if hidden_states:
+            from ..drafters.conditioned import default_target_layers
+
+            layers = tuple(sorted(set(default_target_layers(self.num_layers)) | {self.num_layers - 1}))
+            try:
+                self.reset()
+                self.forward([0, 1], hidden_layers=layers)
+            except DiffspecError as e:
+                self.reset()
+                self._parity[hidden_states] = {"exact": False, "first_mismatch": {"why": f"hidden states: {e}"},
+                                               "checked_rows": 0, "hidden_layers": list(layers)}
+                return self._parity[hidden_states]
+            self.reset()
         import json
         import sys
 
