@@ -104,3 +104,29 @@ def test_sampling_has_the_target_distribution(gemma):
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_llama_cpp_backend_reads_gemmas_layers_embeddings_and_head(gemma):
+    """The llama.cpp backend's hidden states of Gemma 3 (sliding-window layers, a scaled embedding, the
+    last layer normed) are transformers' of the same GGUF: the closest transformers layer is the one
+    asked, at the same scale; the embedding a drafter shares carries Gemma's sqrt(hidden) scale and equals
+    transformers' bitwise, as does the head."""
+    from diffspec.backends.llama_cpp import LlamaCppTarget
+
+    g = LlamaCppTarget.load("gemma3-270m", quiet=True, threads=1)
+    ids = torch.tensor(g.encode_prompt("Write a haiku about the sea, then explain it."))
+    n, L = ids.shape[0], g.num_layers
+    layers = (1, L // 2, L - 3, L - 1)
+    ours = g.forward(ids, hidden_layers=layers).hidden_states.view(n, len(layers), g.hidden_size)
+    g.reset()
+    with torch.inference_mode():
+        ref = gemma.model(input_ids=ids.view(1, -1), output_hidden_states=True).hidden_states
+    for j, layer in enumerate(layers):
+        cos = [float(torch.nn.functional.cosine_similarity(ours[:, j], ref[i + 1][0], dim=-1).mean()) for i in range(L)]
+        assert max(range(L), key=cos.__getitem__) == layer and cos[layer] > 0.99, (layer, cos)
+        scale = float(ours[:, j].norm(dim=-1).mean() / ref[layer + 1][0].norm(dim=-1).mean())
+        assert 0.95 < scale < 1.05, (layer, scale)
+    assert g.input_embeddings().scale == pytest.approx(g.hidden_size ** 0.5)
+    assert torch.equal(g.input_embeddings()(ids), gemma.input_embeddings()(ids))
+    assert torch.equal(g.output_head_weight(), gemma.output_head_weight())
+    assert g.declared_vocab_size == gemma.declared_vocab_size
