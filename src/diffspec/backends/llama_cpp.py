@@ -32,7 +32,9 @@ every width up to `max_verify_tokens` equal one-token steps bitwise, after a sho
 context (past the 512-cell threshold), with rollbacks between them. `speculation_exact` is its
 answer, measured once per machine x file x llama.cpp version x threads x cache types x what the
 context size lets it check, and cached; the engine refuses a drafter where it is False (another CPU's
-or model's matmul kernels can differ by batch size: Gemma 3 270M Q4_K_M fails it on AVX2).
+or model's matmul kernels can differ by batch size: Gemma 3 270M Q4_K_M fails it on AVX2). Passes that
+read hidden states run in another context, split where the callback reads: they have a probe of their
+own (`parity_record(hidden_states=True)`), which a drafter reading them must pass.
 """
 
 from __future__ import annotations
@@ -201,9 +203,9 @@ class LlamaCppTarget(TargetBase):
 
     backend = "llama.cpp"
     exposes_hidden_states = True
-    # reading hidden states costs every pass a Python call per graph node (~0.9-4 ms a pass for
-    # SmolLM2-135M, 2 cores) and the conditioned drafter was measured not to pay that back here
-    # (README, "The llama.cpp backend"); it runs when named
+    # reading hidden states costs every pass a Python call per graph node (1.1-1.3 ms a pass for
+    # SmolLM2-135M on 2 AVX-512 cores, +16% on a one-token step) and the conditioned drafter was measured
+    # not to pay that back here (README, "The llama.cpp backend"); it runs when named
     hidden_states_by_default = False
     # the widest verify pass the parity probe checks (k <= 63 drafted tokens a round); wider passes
     # are never needed (the policies stop at 60) and are not checked
