@@ -562,3 +562,23 @@ def test_parity_probe_fits_a_small_context_and_never_passes_unchecked(tmp_path, 
     assert len(list((tmp_path / "costs").glob("parity-*.json"))) == 2
     with pytest.raises(DiffspecError, match="no speculative decoding .* its verify passes could not be checked"):
         SpeculativeEngine(tiny, PromptLookupDrafter(), make_policy("fixed", gamma=2))
+
+@pytest.mark.slow
+def test_hidden_states_that_cannot_be_read_make_the_probe_say_not_exact(tmp_path, monkeypatch, llama_target):
+    """A llama.cpp build whose hidden states cannot be read (here: no libggml-base found) answers the
+    hidden-state probe "not exact" with the reason, is not cached, and leaves the plain probe alone; the
+    engine then refuses a drafter reading hidden states by name."""
+    from diffspec.backends import llama_cpp
+
+    def missing():
+        raise DiffspecError("reading hidden states on the llama.cpp backend needs libggml-base in /x; not found")
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path / "costs"))
+    monkeypatch.setattr(llama_cpp, "_ggml_library", missing)
+    t = llama_cpp.LlamaCppTarget.load(None, quiet=True, threads=llama_target.threads, max_context=64)
+    record = t.parity_record(hidden_states=True)
+    assert not record["exact"] and "libggml-base" in record["first_mismatch"]["why"]
+    assert not list((tmp_path / "costs").glob("parity-hidden-*.json")) and t.cache_len == 0
+    assert t.speculation_exact and not t.hidden_states_exact
+    with pytest.raises(DiffspecError, match="reads the target's hidden states.*libggml-base"):
+        SpeculativeEngine(t, make_drafter("conditioned", t), make_policy("fixed", gamma=4))

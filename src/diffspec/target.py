@@ -145,8 +145,10 @@ class TargetBase:
 
     @property
     def declared_vocab_size(self) -> int:
-        """The vocabulary size the model's config declares (the embedding may have padding rows)."""
-        return self.vocab_size
+        """The vocabulary size the model's config declares (the embedding may have padding rows); the
+        head's rows where the config declares none."""
+        text = self.config.get_text_config(decoder=True) if self.config is not None else None
+        return int(getattr(text, "vocab_size", None) or self.vocab_size)
 
     def check_drafter(self, drafter_name: str, needs_hidden_states: bool) -> None:
         """Refuse, by name, a drafter this backend cannot feed."""
@@ -323,11 +325,6 @@ class Target(TargetBase):
 
     def output_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach()
-
-    @property
-    def declared_vocab_size(self) -> int:
-        rows = int(self.model.get_input_embeddings().weight.shape[0])
-        return int(getattr(self.model.config.get_text_config(decoder=True), "vocab_size", rows) or rows)
 
     def runtime(self) -> dict:
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""

@@ -473,11 +473,6 @@ class LlamaCppTarget(TargetBase):
     def output_head_weight(self) -> torch.Tensor:
         return self._weights()[1]
 
-    @property
-    def declared_vocab_size(self) -> int:
-        text = self.config.get_text_config(decoder=True) if self.config is not None else None
-        return int(getattr(text, "vocab_size", None) or self._n_vocab)
-
     # --- facts -------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -574,15 +569,6 @@ class LlamaCppTarget(TargetBase):
             from ..drafters.conditioned import default_target_layers
 
             layers = tuple(sorted(set(default_target_layers(self.num_layers)) | {self.num_layers - 1}))
-            try:
-                self.reset()
-                self.forward([0, 1], hidden_layers=layers)
-            except DiffspecError as e:
-                self.reset()
-                self._parity[hidden_states] = {"exact": False, "first_mismatch": {"why": f"hidden states: {e}"},
-                                               "checked_rows": 0, "hidden_layers": list(layers)}
-                return self._parity[hidden_states]
-            self.reset()
         import json
         import sys
 
@@ -591,7 +577,7 @@ class LlamaCppTarget(TargetBase):
 
         plan = self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS)
         if not plan[0] or not plan[1]:
-            self._parity[hidden_states] = self.parity_probe(hidden_layers=layers)
+            self._parity[hidden_states] = self._probe_or_failure(layers)
             return self._parity[hidden_states]
         key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
                         getattr(self._lib, "__version__", "?"), plan, *(("hidden", layers) if layers else ()))
@@ -609,11 +595,24 @@ class LlamaCppTarget(TargetBase):
                 what = " (passes that read hidden states)" if layers else ""
                 print(f"diffspec: checking that llama.cpp's verify passes{what} equal its one-token steps on this "
                       f"machine (once; cached)", file=sys.stderr, flush=True)
-            record = self.parity_probe(hidden_layers=layers)
+            record = self._probe_or_failure(layers)
             record["file"] = str(self.gguf)
-            try_write_cache(where, json.dumps(record, indent=1), "the parity probe's answer")
+            if "why" not in (record["first_mismatch"] or {}):  # a probe that could not run is not an answer to keep
+                try_write_cache(where, json.dumps(record, indent=1), "the parity probe's answer")
         self._parity[hidden_states] = record
         return record
+
+    def _probe_or_failure(self, layers: tuple) -> dict:
+        """parity_probe(hidden_layers=layers); where the hidden states cannot be read at all, a "not exact"
+        answer saying why (with the cache reset), so that `auto` falls back instead of failing."""
+        try:
+            return self.parity_probe(hidden_layers=layers)
+        except DiffspecError as e:
+            if not layers:
+                raise
+            self.reset()
+            return {"exact": False, "first_mismatch": {"why": f"hidden states: {e}"}, "checked_rows": 0,
+                    "hidden_layers": list(layers)}
 
     @property
     def speculation_exact(self) -> bool:
