@@ -434,3 +434,26 @@ def test_gqa_attention_stays_with_the_target(monkeypatch):
     monkeypatch.setattr(type(model.config), "num_key_value_heads",
                         property(lambda self: (_ for _ in ()).throw(RuntimeError("per-layer"))), raising=False)
     assert not attention.applies(model)
+
+
+def test_a_copy_of_a_routed_model_computes_with_its_own_weights():
+    """The drafters' dtype trial times a deep copy of a model whose linear layers are routed (converted to
+    bfloat16): the copy's layers must run on the copy's weights. With the routed forward a closure over
+    the original module, the copy computed with the original's weights (and failed on a dtype mix)."""
+    import copy
+
+    model = make_model(50, seed=2)
+    K.install(model, every_bucket(model, one_row=True))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    with torch.inference_mode():
+        got = twin(ids).logits
+        K.uninstall(twin)
+        want = twin(ids).logits
+    torch.testing.assert_close(got, want)
+    halved = copy.deepcopy(model).to(torch.bfloat16)  # the trial's conversion: runs, in bfloat16
+    with torch.inference_mode():
+        assert halved(ids).logits.dtype == torch.bfloat16

@@ -300,6 +300,7 @@ def add_backend_option(parser) -> None:
                              "the one-row pass at start (~30 s on a 2-core CPU) and keeps it where it measures faster "
                              "(the decision is cached); on runs every pass of up to 32 rows compiled, padded to one of "
                              "ten widths compiled at start (minutes on a CPU: for long-lived servers and benches). "
+                             "The block-diffusion and conditioned drafters' own passes follow the same setting. "
                              "Compiled logits may differ from eager ones in the last bits")
 
 

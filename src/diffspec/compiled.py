@@ -31,6 +31,9 @@ The modes:
   The decision is cached per machine, model and torch version: where eager won, later starts skip
   the compile. Compiled code itself is cached by torch's inductor (its FX graph cache), not by us.
 
+Drafters: the block-diffusion and conditioned drafters follow the target's mode for their own steady-state
+pass (drafters/compile_choice.py).
+
 Exactness: a compiled pass computes the same sums with other (fused) kernels, so its logits may differ
 from eager's in the last bits (2e-5 measured on SmolLM2 in float32; a padded pass computes its rows
 with the kernels of its bucket's row count, a difference of the same order). With `on` or `auto`, plain
@@ -89,7 +92,7 @@ def check_compilable(config, name: str = "this model") -> None:
                             f"{', '.join(other)} layers (e.g. Gemma 3's sliding window): use --compile off")
 
 
-def _allow_graphs(count: int) -> None:
+def allow_graphs(count: int) -> None:
     """torch recompiles at most `recompile_limit` (default 8) times per function, then falls back to
     eager for good, silently: allow one graph per shape we compile."""
     import torch._dynamo.config as dynamo_config
@@ -115,7 +118,7 @@ class CompiledPasses:
         if mode == "off":
             return cls("off", quiet=quiet)
         check_compilable(model.config)
-        _allow_graphs(4 * len(WIDTH_BUCKETS))
+        allow_graphs(4 * len(WIDTH_BUCKETS))
         fn = torch.compile(model.forward, dynamic=True)
         return cls(mode, fn, None if mode == "on" else set(), quiet=quiet)
 

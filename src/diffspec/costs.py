@@ -284,6 +284,8 @@ def drafter_key(target, drafter) -> str:
     dtype is the one it settled on); describe() is not used for those, as it carries timings."""
     model = getattr(drafter, "model", None)
     what = model_fingerprint(model) if isinstance(model, torch.nn.Module) else drafter.describe()
+    if drafter.capabilities.compiles_passes and drafter.runs_compiled:  # its draft costs change with it
+        what = cache_key(what, "compiled passes")
     return cache_key("drafter", verify_key(target), type(drafter).__name__, drafter.name, what)
 
 

@@ -36,6 +36,7 @@ output). `stock_kernels(model)` runs a block with F.linear everywhere and transf
 from __future__ import annotations
 
 import json
+import types
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -237,11 +238,14 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
 
 
 def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
+    """The layer's routed forward, bound to it as a method: a deep copy of the model (the drafters' dtype
+    trial) rebinds it to the copy, whose own weights it then uses (a closure over `mod` would keep
+    computing with the original's)."""
     mm_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_mm(shape, r))
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // x.shape[-1] in mm_for:
-            return mm_linear(x, mod.weight, mod.bias)
-        return F.linear(x, mod.weight, mod.bias)
+            return mm_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
-    return forward
+    return types.MethodType(forward, mod)

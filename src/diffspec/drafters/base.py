@@ -34,6 +34,7 @@ class DrafterCapabilities:
     needs_target_hidden_states: bool = False  # wants observe() with target hidden states
     keeps_own_cache: bool = False             # holds a KV cache across rounds
     chooses_dtype: bool = False               # computes in `compute_dtype` ('auto': measured at attach)
+    compiles_passes: bool = False             # follows the target's --compile (compile_choice.py)
 
 
 class Drafter(ABC):

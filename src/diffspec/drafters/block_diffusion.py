@@ -34,12 +34,13 @@ from typing import Optional
 
 import torch
 
-from ..cache import check_rollback, common_prefix_length, full_cache, truncate_cache
+from ..cache import check_rollback, common_prefix_length, full_cache, reserve_cache, truncate_cache
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from ..timing import median_ms
+from .compile_choice import CompilesPasses
 from .dtype_choice import ChoosesDtype
 from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, logits_of_rows, select_unmask
 
@@ -58,9 +59,9 @@ class BlockDiffusionConfig:
                              f"({self.sub_block_size})")
 
 
-class BlockDiffusionDrafter(ChoosesDtype, Drafter):
+class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=False,
-                                       keeps_own_cache=True, chooses_dtype=True)
+                                       keeps_own_cache=True, chooses_dtype=True, compiles_passes=True)
 
     def __init__(self, model, config: BlockDiffusionConfig, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "block-diffusion", reuse_cache: bool = True,
@@ -69,7 +70,8 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         self.model = model.eval()
         self.config = config
         self.draft_token_ids = check_draft_token_ids(draft_token_ids, model, config.mask_token_id, name)
-        self._draft_head: Optional[tuple] = None  # (weight rows, bias rows or None) in the model's dtype
+        self._kernels_for = None  # the model object the measured matmul kernels were installed on
+        self._draft_head: Optional[tuple] = None  # (weight rows or the whole head, bias or None) in the model's dtype
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.reuse_cache = reuse_cache
@@ -82,11 +84,40 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
-        self._settle_dtype()
-        if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu":
-            from .. import kernels  # its own shapes and dtype; a drafter's numerics never touch the output
+        with self._eager():  # both dtypes timed alike
+            self._settle_dtype()
+        # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
+        # installed once per model object: a compiled graph traced through them stays valid on a re-attach
+        if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu" \
+                and self._kernels_for is not self.model:
+            from .. import kernels
 
             kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
+            self._kernels_for = self.model
+        self._settle_compile(target)
+
+    # --- compiled passes (compile_choice.py) --------------------------------------------
+    def _compile_module(self) -> torch.nn.Module:
+        return self.model.get_decoder()
+
+    def _compile_signature(self) -> str:
+        vocab = "whole" if self.draft_token_ids is None else self.draft_token_ids.numel()
+        kernels = "measured" if self._kernels_for is self.model else "stock"
+        return f"block {self.config.block_size}, draft vocabulary {vocab}, kernels {kernels}"
+
+    def _compile_refusal(self) -> Optional[str]:
+        """A compiled pass runs the body only, the head applied by `reduced_head`: refused for a model whose
+        head transform that does not reproduce (with a draft vocabulary, checked at construction)."""
+        if not callable(getattr(self.model, "get_decoder", None)):
+            return f"its model ({type(self.model).__name__}) has no get_decoder() to split the body from the head"
+        if self.draft_token_ids is not None:
+            return None
+        rows = self.model.get_output_embeddings().weight.shape[0]
+        try:
+            check_draft_token_ids(torch.arange(rows), self.model, self.config.mask_token_id, self.name, whole=True)
+        except DiffspecError as e:
+            return str(e)
+        return None
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         if dtype is not None:
@@ -119,29 +150,40 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
     @torch.inference_mode()
     def _forward(self, tokens: list, mask: torch.Tensor, rows) -> torch.Tensor:
         """One pass; logits only for `rows` (a list of row indices, or an int n: the last n rows).
-        The output head is most of this drafter's cost: the rows nobody reads are not computed."""
+        The output head is most of this drafter's cost: the rows nobody reads are not computed.
+        A block of the block size on a non-empty cache (every denoising step, every commit after the
+        first) runs the compiled body where one is kept (compile_choice.py)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         self._passes += 1
-        if self.draft_token_ids is not None:
-            return self._reduced_head_logits(ids, mask, rows)
-        logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
-                                use_cache=True)
-        return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
-
-    def _reduced_head_logits(self, ids: torch.Tensor, mask: torch.Tensor, rows) -> torch.Tensor:
-        """The body's pass, then the head's draft-vocabulary rows applied to the wanted positions only;
-        -> [rows, vocab] with -inf outside the draft vocabulary."""
-        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask, past_key_values=self._cache,
-                                          use_cache=True).last_hidden_state[0]
+        past = len(self._cached_ids)
+        body = self._compiled_body(len(tokens) == self.config.block_size and past > 0)
+        if body is None and self.draft_token_ids is None:
+            logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+                                    use_cache=True)
+            return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
+        if body is None:
+            body = self.model.get_decoder()
+        else:  # room for the block made outside the graph: a cache growing inside it would be another graph
+            reserve_cache(self._cache, past + 2 * self.config.block_size)
+        hidden = body(input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+                      use_cache=True).last_hidden_state[0]
         hidden = hidden[-rows:] if isinstance(rows, int) else hidden[torch.tensor(rows, device=hidden.device)]
+        return self._head_logits(hidden)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head on the body's rows `hidden`: with a draft vocabulary its rows for those tokens
+        only (-> [rows, vocab] with -inf outside it), else the whole head (-> [rows, vocab])."""
         if self._draft_head is None:
             head = self.model.get_output_embeddings()
             bias = getattr(head, "bias", None)
-            self._draft_head = (head.weight[self.draft_token_ids].contiguous(),
-                                None if bias is None else bias[self.draft_token_ids].contiguous())
+            ids = self.draft_token_ids
+            self._draft_head = (head.weight, bias) if ids is None else \
+                (head.weight[ids].contiguous(), None if bias is None else bias[ids].contiguous())
         weight, bias = self._draft_head
         small = reduced_head(self.model, hidden, weight, bias)
         width = self.vocab_size or self.model.config.vocab_size
+        if self.draft_token_ids is None:
+            return align_logits_to_vocab(small, width)
         return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
 
     def _commit(self, tokens: list) -> None:
@@ -234,32 +276,35 @@ class BlockDiffusionDrafter(ChoosesDtype, Drafter):
         c = self.config
         vocab = "" if self.draft_token_ids is None else f"draft vocabulary {self.draft_token_ids.numel()}, "
         return (f"{self.name}(block {c.block_size}, sub-block {c.sub_block_size}, threshold {c.unmask_threshold}, "
-                f"{'shifted' if c.logit_shift else 'unshifted'}, {vocab}{self._dtype_text()})")
+                f"{'shifted' if c.logit_shift else 'unshifted'}, {vocab}{self._dtype_text()}{self._compile_text()})")
 
 
 def reduced_head(model, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The output head's rows `weight` (and `bias`) applied to `hidden`, with the transform the model's
-    head applies after its matmul where that is a softcap (Gemma); float32. Any other transform
-    (e.g. Cohere's logit_scale) is caught by check_draft_token_ids, never silently left out."""
-    small = torch.nn.functional.linear(hidden, weight, bias).float()
+    head applies after its matmul where that is a softcap (Gemma); in float32 at least (float64 stays). Any
+    other transform (e.g. Cohere's logit_scale) is caught by check_draft_token_ids, never silently left out."""
+    small = torch.nn.functional.linear(hidden, weight, bias)
+    small = small.to(torch.promote_types(small.dtype, torch.float32))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:  # Gemma-style heads squash their logits
         small = torch.tanh(small / cap) * cap
     return small
 
 
-def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str) -> Optional[torch.Tensor]:
+def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str,
+                          whole: bool = False) -> Optional[torch.Tensor]:
     """A reduced draft vocabulary: distinct token ids inside the head, never the mask, and a model whose
     logits the reduced head reproduces (one token through the whole model against its decoder + the
     head's rows: a head transform `reduced_head` does not know would otherwise lower acceptance
-    silently). -> int64 ids on the model's device (None stays None)."""
+    silently). `whole`: the ids are the whole head (the compiled passes' check, compile_choice.py; the mask
+    token then included). -> int64 ids on the model's device (None stays None)."""
     if ids is None:
         return None
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     rows = model.get_output_embeddings().weight.shape[0]
     if ids.numel() == 0 or ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= rows:
         raise DiffspecError(f"block-diffusion drafter '{name}': draft_token_ids must be distinct ids in [0, {rows})")
-    if bool((ids == mask_token_id).any()):
+    if not whole and bool((ids == mask_token_id).any()):
         raise DiffspecError(f"block-diffusion drafter '{name}': the mask token {mask_token_id} cannot be drafted")
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -269,9 +314,12 @@ def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int
         hidden = model.get_decoder()(input_ids=x).last_hidden_state[0, -1:]
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
-        small = reduced_head(model, hidden, head.weight[ids], None if bias is None else bias[ids])[0]
+        small = reduced_head(model, hidden, head.weight[ids], None if bias is None else bias[ids])[0].float()
     if not torch.allclose(small, full, rtol=1e-3, atol=1e-3 * float(full.abs().max()) + 1e-6):
+        what = "its compiled passes (the body, then the head applied by diffspec)" if whole else \
+            "a reduced draft vocabulary"
         raise DiffspecError(f"block-diffusion drafter '{name}': its model ({type(model).__name__}) transforms its "
-                            f"logits in a way a reduced draft vocabulary does not reproduce (largest difference "
-                            f"{float((small - full).abs().max()):.3g}); use the whole vocabulary (no draft_token_ids)")
+                            f"logits in a way {what} does not reproduce (largest difference "
+                            f"{float((small - full).abs().max()):.3g})" +
+                            ("" if whole else "; use the whole vocabulary (no draft_token_ids)"))
     return ids

@@ -32,6 +32,7 @@ from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from ..timing import median_ms
+from .compile_choice import CompilesPasses
 from .dtype_choice import ChoosesDtype
 
 
@@ -208,10 +209,10 @@ class ConditionedDraftModel(nn.Module):
         return [layer.self_attn.context_kv(ctx, positions) for layer in self.layers]
 
 
-class ConditionedDrafter(ChoosesDtype, Drafter):
+class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     name = "conditioned"
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=True,
-                                       keeps_own_cache=True, chooses_dtype=True)
+                                       keeps_own_cache=True, chooses_dtype=True, compiles_passes=True)
 
     def __init__(self, model: ConditionedDraftModel, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "conditioned"):
@@ -247,7 +248,15 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         self._target_head = target.output_head_weight()  # shared, never modified
         self._head_weight = self.model.head_weight(self._target_head)
         self.vocab_size = target.vocab_size
-        self._settle_dtype()
+        with self._eager():  # both dtypes timed alike
+            self._settle_dtype()
+        self._settle_compile(target)
+
+    def _compile_module(self) -> torch.nn.Module:
+        return self.model
+
+    def _compile_signature(self) -> str:
+        return f"block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, draft vocabulary {self.cfg.draft_vocab}"
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         head = self.model.head_weight(self._target_head)  # the target's own tensor (shared) with a full vocabulary
@@ -311,7 +320,9 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = context[-1]
         positions = torch.arange(anchor, anchor + cfg.block_size, device=context.device)
-        hidden = self.model(self._embed(block).to(dtype), positions, self._kv)
+        # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
+        body = self._compiled_body(self._kv[0][0].shape[1] > 1) or self.model
+        hidden = body(self._embed(block).to(dtype), positions, self._kv)
         return hidden[1:].to(self._head_weight.dtype) @ self._head_weight.T
 
     @torch.inference_mode()
@@ -335,5 +346,5 @@ class ConditionedDrafter(ChoosesDtype, Drafter):
     def describe(self) -> str:
         dtype = self._dtype_text()
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
-               f"target layers {list(self.cfg.target_layer_ids)}, {dtype})"
+               f"target layers {list(self.cfg.target_layer_ids)}, {dtype}{self._compile_text()})"
 
