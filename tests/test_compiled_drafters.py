@@ -145,3 +145,24 @@ def test_a_head_the_split_does_not_reproduce_stays_eager_by_name():
     prompt = PROMPTS[0]
     assert engine.generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids == \
         reference_greedy(target.model, prompt, 12, stop_ids=())
+
+
+def test_a_compile_that_fails_leaves_the_drafter_eager_and_says_why(monkeypatch):
+    """Inductor or dynamo failing (no C compiler, an untraceable model) must not fail the engine's start
+    or leave a broken graph behind: the drafter drafts eagerly, with the reason in describe() and a warning."""
+    def broken(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no C compiler here")
+        return run
+
+    monkeypatch.setattr(compile_choice.torch, "compile", broken)
+    target = target_saying("on")
+    drafter = drafter_of("block", target)
+    with pytest.warns(UserWarning, match="compiling failed"):
+        engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert not drafter.runs_compiled and "eager: compiling failed (RuntimeError: no C compiler here)" in \
+        drafter.describe()
+    SpeculativeEngine(target, drafter, FixedPolicy(4))  # attached again: no second try, no second warning
+    prompt = PROMPTS[1]
+    assert engine.generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids == \
+        reference_greedy(target.model, prompt, 12, stop_ids=())

@@ -34,6 +34,7 @@ its passes cannot run compiled, or None).
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -92,11 +93,13 @@ class CompilesPasses:
 
     def _settle_compile(self, target) -> None:
         """Called at the end of attach: follow the target's mode (off for a backend without one)."""
-        self.compile_passes(getattr(getattr(target, "compiled", None), "mode", "off"))
+        compiled = getattr(target, "compiled", None)
+        self.compile_passes(getattr(compiled, "mode", "off"), quiet=getattr(compiled, "quiet", True))
 
-    def compile_passes(self, mode: str) -> None:
+    def compile_passes(self, mode: str, quiet: bool = True) -> None:
         """Run this drafter's passes compiled per `mode` (off, on, auto; see the module docstring). The
-        engine calls it at attach with the target's mode; a benchmark may call it directly."""
+        engine calls it at attach with the target's mode; a benchmark may call it directly. Not quiet:
+        what was chosen is said on stderr, as the target's compiles are."""
         from ..compiled import allow_graphs, check_compile
 
         check_compile(mode)
@@ -110,11 +113,13 @@ class CompilesPasses:
         refusal = self._compile_refusal()
         if refusal:
             self.compile_note = f"eager: {refusal}"
+            self._say(quiet)
             return
         cached = self._cached_decision() if mode == "auto" else None
         if cached is not None and cached.get("keep") is False:
             self.compile_record = {**cached, "origin": "cache"}
             self.compile_note = "eager: compiled measured slower (cached)"
+            self._say(quiet)
             return
         allow_graphs(8)
         target = self._compile_target()
@@ -133,6 +138,7 @@ class CompilesPasses:
         self.compile_record = {"compile_s": compile_s}
         if mode == "on":
             self.compile_note = f"compiled, {compile_s:.0f} s to compile"
+            self._say(quiet)
             return
         eager, compiled = [], []
         for _ in range(3):
@@ -148,6 +154,11 @@ class CompilesPasses:
         self.compile_note = (f"{'compiled' if keep else 'eager'} (auto: {compiled_ms:.1f} ms a step compiled, "
                              f"{eager_ms:.1f} eager)")
         self._write_decision(self.compile_record)
+        self._say(quiet)
+
+    def _say(self, quiet: bool) -> None:
+        if not quiet:
+            print(f"diffspec: drafter {getattr(self, 'name', '')}: {self.compile_note}", file=sys.stderr, flush=True)
 
     def _decision_path(self):
         from ..costs import cache_key, cost_dir, machine_key, model_fingerprint
