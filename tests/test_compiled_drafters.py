@@ -150,7 +150,11 @@ def test_a_head_the_split_does_not_reproduce_stays_eager_by_name():
 def test_a_compile_that_fails_leaves_the_drafter_eager_and_says_why(monkeypatch):
     """Inductor or dynamo failing (no C compiler, an untraceable model) must not fail the engine's start
     or leave a broken graph behind: the drafter drafts eagerly, with the reason in describe() and a warning."""
+    tries = []
+
     def broken(fn, **kwargs):
+        tries.append(fn)
+
         def run(*args, **kw):
             raise RuntimeError("no C compiler here")
         return run
@@ -163,6 +167,33 @@ def test_a_compile_that_fails_leaves_the_drafter_eager_and_says_why(monkeypatch)
     assert not drafter.runs_compiled and "eager: compiling failed (RuntimeError: no C compiler here)" in \
         drafter.describe()
     SpeculativeEngine(target, drafter, FixedPolicy(4))  # attached again: no second try, no second warning
+    assert len(tries) == 1
     prompt = PROMPTS[1]
     assert engine.generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids == \
         reference_greedy(target.model, prompt, 12, stop_ids=())
+
+
+def test_compiled_through_the_measured_matmul_kernels_and_attached_again(monkeypatch, tmp_path):
+    """With the target's --kernels auto the drafter's linear layers are routed (kernels.py, bound methods):
+    its graph is traced through them, and neither a re-attach nor requests at other lengths compile again."""
+    from diffspec import kernels as K
+
+    def route_every_row(model, mode, quiet=False):  # whatever this machine would measure
+        return K.LinearPlan({shape: frozenset(K.ROW_BUCKETS) for shape in K.linear_groups(model)})
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr(K, "plan_for_mode", route_every_row)
+    torch._dynamo.reset()
+    target = Target(make_model(V, seed=7), kernels="auto")
+    target.compiled = C.CompiledPasses("on")
+    drafter = drafter_of("block", target)
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(5))
+    assert drafter.runs_compiled and drafter._kernels_for is not None
+    assert sum("forward" in m.__dict__ for m in drafter.model.modules()) >= 7  # 7 linears a layer, 2 layers
+    before = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in PROMPTS:
+            SpeculativeEngine(target, drafter, FixedPolicy(5))
+            got = engine.generate(prompt, max_new_tokens=16, stop_token_ids=[]).token_ids
+            assert got == reference_greedy(target.model, prompt, 16, stop_ids=())
+    assert graphs() == before

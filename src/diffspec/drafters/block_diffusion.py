@@ -70,7 +70,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.model = model.eval()
         self.config = config
         self.draft_token_ids = check_draft_token_ids(draft_token_ids, model, config.mask_token_id, name)
-        self._kernels_for = None  # the model object the measured matmul kernels were installed on
+        self._kernels_for = None  # (model object, dtype) the measured matmul kernels were installed for
         self._draft_head: Optional[tuple] = None  # (weight rows or the whole head, bias or None) in the model's dtype
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -87,22 +87,27 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
         # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
-        # installed once per model object: a compiled graph traced through them stays valid on a re-attach
+        # installed once per model object and dtype: a compiled graph traced through them stays valid on a
+        # re-attach
         if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu" \
-                and self._kernels_for is not self.model:
+                and self._kernels_for != (self.model, next(self.model.parameters()).dtype):
             from .. import kernels
 
             kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
-            self._kernels_for = self.model
+            self._kernels_for = (self.model, next(self.model.parameters()).dtype)
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
     def _compile_module(self) -> torch.nn.Module:
         return self.model.get_decoder()
 
+    def _compile_contexts(self) -> tuple:
+        B = self.config.block_size  # _time_step commits whole blocks: 3 and 7 of them, never one
+        return 3 * B, 7 * B
+
     def _compile_signature(self) -> str:
         vocab = "whole" if self.draft_token_ids is None else self.draft_token_ids.numel()
-        kernels = "measured" if self._kernels_for is self.model else "stock"
+        kernels = "stock" if self._kernels_for is None else "measured"
         return f"block {self.config.block_size}, draft vocabulary {vocab}, kernels {kernels}"
 
     def _compile_refusal(self) -> Optional[str]:

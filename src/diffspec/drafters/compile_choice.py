@@ -65,6 +65,11 @@ class CompilesPasses:
         """What else changes a step's cost (shape settings, kernels): part of auto's cache key."""
         return ""
 
+    def _compile_contexts(self) -> tuple:
+        """The two context lengths the pass is compiled on: distinct, and neither equal to another size of
+        the pass (see the module docstring)."""
+        return 48, 112
+
     def _compile_target(self) -> tuple:
         module = self._compile_module()
         return module, next(module.parameters()).dtype
@@ -121,14 +126,14 @@ class CompilesPasses:
             self.compile_note = "eager: compiled measured slower (cached)"
             self._say(quiet)
             return
-        allow_graphs(8)
-        target = self._compile_target()
-        self._compiled_fn = torch.compile(target[0].forward, dynamic=True)
-        self._compiled_for, self._compiled_active = target, True
         started = time.perf_counter()
         try:  # compiles, on two context lengths (see the module docstring)
-            self._time_step(context_len=48, repeats=1)
-            self._time_step(context_len=112, repeats=1)
+            allow_graphs(8)
+            target = self._compile_target()
+            self._compiled_fn = torch.compile(target[0].forward, dynamic=True)
+            self._compiled_for, self._compiled_active = target, True
+            for context in self._compile_contexts():
+                self._time_step(context_len=context, repeats=1)
         except Exception as e:  # inductor's or dynamo's own errors: eager it is, said
             self._compiled_fn, self._compiled_for, self._compiled_active = None, None, False
             self.compile_note = f"eager: compiling failed ({type(e).__name__}: {str(e)[:120]})"
