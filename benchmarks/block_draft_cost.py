@@ -107,6 +107,7 @@ def main() -> int:
             engines[variant] = eng
         assert len({id(e.drafter) for e in engines.values()}) == len(engines), "variants share a drafter"
         described = {v: e.drafter.describe() for v, e in engines.items()}
+        result.setdefault("target_runtime", next(iter(engines.values())).target.runtime())
         sums = {v: {"draft_s": 0.0, "rounds": 0, "passes": 0, "accepted": 0, "identical": True} for v in engines}
         for variant, eng in engines.items():  # warm-up
             with (all_rows() if variant in ("before", "all-rows") else nullcontext()):

@@ -168,6 +168,10 @@ def test_a_compile_that_fails_leaves_the_drafter_eager_and_says_why(monkeypatch)
         drafter.describe()
     SpeculativeEngine(target, drafter, FixedPolicy(4))  # attached again: no second try, no second warning
     assert len(tries) == 1
+    monkeypatch.undo()  # a working compiler again, and the drafter in another dtype: decided anew, compiled
+    drafter._use_dtype(torch.float32)
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert drafter.runs_compiled and "compiled" in drafter.describe()
     prompt = PROMPTS[1]
     assert engine.generate(prompt, max_new_tokens=12, stop_token_ids=[]).token_ids == \
         reference_greedy(target.model, prompt, 12, stop_ids=())

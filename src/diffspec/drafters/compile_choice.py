@@ -26,7 +26,7 @@ Exactness: a compiled pass sums in other (fused) kernels, so a draft may differ 
 near-tie; the output cannot (the target verifies every token, and q is the row the draft was drawn
 from, compiled or not).
 
-A drafter using this mixin implements `_compile_module()`, `_time_step(repeats=...)` (median ms of one
+A drafter using this mixin has `self.model` and implements `_compile_module()`, `_time_step(repeats=...)` (median ms of one
 steady-state draft step; the dtype choice uses the same) and may override `_compile_refusal()` (a reason
 its passes cannot run compiled, or None).
 """
@@ -54,6 +54,7 @@ class CompilesPasses:
     _compiled_fn = None              # torch.compile(module.forward), or None
     _compiled_for = None             # (module, dtype) it was compiled for
     _compiled_active: bool = False   # False: eager (auto's trial, the dtype trial)
+    _settled_for = None              # (model, dtype, signature) the last decision was made for
 
     def _compile_module(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -108,9 +109,10 @@ class CompilesPasses:
         from ..compiled import allow_graphs, check_compile
 
         check_compile(mode)
-        if mode == self.compile_mode and (mode == "off" or self.compile_note.startswith("eager")
-                                          or self._compiled_for == self._compile_target()):
-            return  # attached again (the auto policy's calibration): already settled
+        settled_for = (self.model, next(self.model.parameters()).dtype, self._compile_signature())
+        if mode == self.compile_mode and (mode == "off" or self._settled_for == settled_for):
+            return  # attached again (the auto policy's calibration) to the same model, dtype and settings
+        self._settled_for = settled_for
         self.compile_mode, self.compile_note, self.compile_record = mode, "", {}
         self._compiled_fn, self._compiled_for, self._compiled_active = None, None, False
         if mode == "off":
