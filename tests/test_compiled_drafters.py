@@ -20,14 +20,11 @@ from diffspec.policies import FixedPolicy
 from diffspec.target import Target
 from diffspec.types import SamplingParams
 
+from test_compiled import graphs
 from test_diffusion_drafters import conditioned_for, dllm
 
 V = 70
 PROMPTS = [list(range(5, 17)), [9, 4, 30, 31, 32, 9, 4], list(range(40, 66))]
-
-
-def graphs() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def target_saying(mode: str) -> Target:

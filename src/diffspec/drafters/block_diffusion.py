@@ -89,12 +89,13 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
         # installed once per model object and dtype: a compiled graph traced through them stays valid on a
         # re-attach
+        installed_for = (self.model, next(self.model.parameters()).dtype)
         if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu" \
-                and self._kernels_for != (self.model, next(self.model.parameters()).dtype):
+                and self._kernels_for != installed_for:
             from .. import kernels
 
             kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
-            self._kernels_for = (self.model, next(self.model.parameters()).dtype)
+            self._kernels_for = installed_for
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
@@ -118,11 +119,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if self.draft_token_ids is not None:
             return None
         rows = self.model.get_output_embeddings().weight.shape[0]
-        try:
-            check_draft_token_ids(torch.arange(rows), self.model, self.config.mask_token_id, self.name, whole=True)
-        except DiffspecError as e:
-            return str(e)
-        return None
+        return head_refusal(self.model, torch.arange(rows, device=self.device), self.config.mask_token_id, self.name,
+                            "its compiled passes (the body, then the head applied by diffspec)")
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         if dtype is not None:
@@ -296,23 +294,29 @@ def reduced_head(model, hidden: torch.Tensor, weight: torch.Tensor, bias: Option
     return small
 
 
-def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str,
-                          whole: bool = False) -> Optional[torch.Tensor]:
+def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int, name: str) -> Optional[torch.Tensor]:
     """A reduced draft vocabulary: distinct token ids inside the head, never the mask, and a model whose
-    logits the reduced head reproduces (one token through the whole model against its decoder + the
-    head's rows: a head transform `reduced_head` does not know would otherwise lower acceptance
-    silently). `whole`: the ids are the whole head (the compiled passes' check, compile_choice.py; the mask
-    token then included). -> int64 ids on the model's device (None stays None)."""
+    logits the reduced head reproduces (`head_refusal`). -> int64 ids on the model's device (None stays None)."""
     if ids is None:
         return None
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     rows = model.get_output_embeddings().weight.shape[0]
     if ids.numel() == 0 or ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= rows:
         raise DiffspecError(f"block-diffusion drafter '{name}': draft_token_ids must be distinct ids in [0, {rows})")
-    if not whole and bool((ids == mask_token_id).any()):
+    if bool((ids == mask_token_id).any()):
         raise DiffspecError(f"block-diffusion drafter '{name}': the mask token {mask_token_id} cannot be drafted")
+    ids = ids.to(next(model.parameters()).device)
+    refusal = head_refusal(model, ids, mask_token_id, name, "a reduced draft vocabulary")
+    if refusal:
+        raise DiffspecError(refusal + "; use the whole vocabulary (no draft_token_ids)")
+    return ids
+
+
+def head_refusal(model, ids: torch.Tensor, mask_token_id: int, name: str, what: str) -> Optional[str]:
+    """Whether `reduced_head` on the decoder's output reproduces the model's own logits for `ids` (one token
+    through the whole model against its decoder + the head's rows): a head transform it does not know would
+    otherwise lower acceptance silently. -> None, or why not (naming `what` needs it)."""
     device = next(model.parameters()).device
-    ids = ids.to(device)
     with torch.inference_mode():
         x = torch.tensor([[mask_token_id]], device=device)
         full = model(input_ids=x).logits[0, -1].float()[ids]
@@ -320,11 +324,7 @@ def check_draft_token_ids(ids: Optional[torch.Tensor], model, mask_token_id: int
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         small = reduced_head(model, hidden, head.weight[ids], None if bias is None else bias[ids])[0].float()
-    if not torch.allclose(small, full, rtol=1e-3, atol=1e-3 * float(full.abs().max()) + 1e-6):
-        what = "its compiled passes (the body, then the head applied by diffspec)" if whole else \
-            "a reduced draft vocabulary"
-        raise DiffspecError(f"block-diffusion drafter '{name}': its model ({type(model).__name__}) transforms its "
-                            f"logits in a way {what} does not reproduce (largest difference "
-                            f"{float((small - full).abs().max()):.3g})" +
-                            ("" if whole else "; use the whole vocabulary (no draft_token_ids)"))
-    return ids
+    if torch.allclose(small, full, rtol=1e-3, atol=1e-3 * float(full.abs().max()) + 1e-6):
+        return None
+    return (f"block-diffusion drafter '{name}': its model ({type(model).__name__}) transforms its logits in a way "
+            f"{what} does not reproduce (largest difference {float((small - full).abs().max()):.3g})")

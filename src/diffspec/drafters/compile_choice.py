@@ -16,7 +16,7 @@ head, which stays eager and applies to the rows read only), `torch.compile(dynam
 length is symbolic, so a request's growing context reuses one graph. A drafter runs a pass compiled only
 in its steady-state shape (`_compiled_body(eligible)`: e.g. a block of its block size on a non-empty
 cache); other passes (the first commit of a prompt) run the same module eagerly, on the same weights
-and cache. The graph belongs to the module and dtype it was compiled for: a drafter whose model is
+and cache. The graph belongs to the model and dtype it was compiled for: a drafter whose model is
 swapped (the dtype trial's copy) or converted runs eagerly until attached again. Compiling happens on
 two context lengths, so the graph is general in the length before any request runs (torch gives sizes
 that happen to be equal at trace time one symbol). A compile that fails (no C compiler, a model dynamo
@@ -42,8 +42,8 @@ from typing import Optional
 
 import torch
 
-#: `auto` keeps the compiled pass only where it timed at least this much faster (as compiled.AUTO_MARGIN)
-AUTO_MARGIN = 0.95
+from ..compiled import AUTO_MARGIN  # auto keeps the compiled pass where it timed at least this much faster
+
 FORMAT = 1
 
 
@@ -52,9 +52,8 @@ class CompilesPasses:
     compile_note: str = ""           # what attach chose and why (for describe())
     compile_record: dict = {}        # compile seconds and auto's timings (describe() says the gist)
     _compiled_fn = None              # torch.compile(module.forward), or None
-    _compiled_for = None             # (module, dtype) it was compiled for
     _compiled_active: bool = False   # False: eager (auto's trial, the dtype trial)
-    _settled_for = None              # (model, dtype, signature) the last decision was made for
+    _settled_for = None              # (model, dtype, signature) the last decision (and graph) was made for
 
     def _compile_module(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -71,17 +70,12 @@ class CompilesPasses:
         the pass (see the module docstring)."""
         return 48, 112
 
-    def _compile_target(self) -> tuple:
-        module = self._compile_module()
-        return module, next(module.parameters()).dtype
-
     def _compiled_body(self, eligible: bool = True):
         """The compiled forward to run this pass with, or None: eager."""
         if not (eligible and self._compiled_active and self._compiled_fn is not None):
             return None
-        module, dtype = self._compiled_for
-        current = self._compile_module()
-        return self._compiled_fn if current is module and next(current.parameters()).dtype == dtype else None
+        model, dtype, _ = self._settled_for
+        return self._compiled_fn if self.model is model and next(model.parameters()).dtype == dtype else None
 
     @property
     def runs_compiled(self) -> bool:
@@ -114,7 +108,7 @@ class CompilesPasses:
             return  # attached again (the auto policy's calibration) to the same model, dtype and settings
         self._settled_for = settled_for
         self.compile_mode, self.compile_note, self.compile_record = mode, "", {}
-        self._compiled_fn, self._compiled_for, self._compiled_active = None, None, False
+        self._compiled_fn, self._compiled_active = None, False
         if mode == "off":
             return
         refusal = self._compile_refusal()
@@ -131,13 +125,12 @@ class CompilesPasses:
         started = time.perf_counter()
         try:  # compiles, on two context lengths (see the module docstring)
             allow_graphs(8)
-            target = self._compile_target()
-            self._compiled_fn = torch.compile(target[0].forward, dynamic=True)
-            self._compiled_for, self._compiled_active = target, True
+            self._compiled_fn = torch.compile(self._compile_module().forward, dynamic=True)
+            self._compiled_active = True
             for context in self._compile_contexts():
                 self._time_step(context_len=context, repeats=1)
         except Exception as e:  # inductor's or dynamo's own errors: eager it is, said
-            self._compiled_fn, self._compiled_for, self._compiled_active = None, None, False
+            self._compiled_fn, self._compiled_active = None, False
             self.compile_note = f"eager: compiling failed ({type(e).__name__}: {str(e)[:120]})"
             warnings.warn(f"diffspec: drafter {getattr(self, 'name', '')}: {self.compile_note}", stacklevel=2)
             return
