@@ -147,6 +147,22 @@ def test_method_specs_and_sweep():
         expand_methods(["plain", "hf-generate"], ["tau=0.3"])
 
 
+def test_a_setting_the_methods_policy_would_not_read_is_refused():
+    assert parse_method("conditioned:policy=auto").values(METHODS)["policy"] == "auto"
+    assert parse_method("conditioned:gamma=3").values(METHODS)["gamma"] == 3  # fixed by default
+    for spec, ignored, policy in (("conditioned:policy=auto,gamma=3", "gamma", "auto"),
+                                  ("conditioned:tau=0.3", "tau", "fixed"),
+                                  ("prompt-lookup:gamma=4", "gamma", "failfast"),
+                                  ("combined:n_max=30", "n_max", "auto")):
+        with pytest.raises(DiffspecError, match=f"{ignored} does not apply to the {policy} policy"):
+            parse_method(spec)
+    # a sweep expands only the methods whose policy reads the key
+    with pytest.raises(DiffspecError, match=r"--sweep tau: none of the methods prompt-lookup:policy=auto accepts"):
+        expand_methods(["prompt-lookup:policy=auto"], ["tau=0.3"])
+    names = [m.name for m in expand_methods(["prompt-lookup", "prompt-lookup:policy=auto"], ["tau=0.3,0.6"])]
+    assert names == ["plain", "prompt-lookup[tau=0.3]", "prompt-lookup[tau=0.6]", "prompt-lookup:policy=auto"]
+
+
 def test_every_method_that_names_a_policy_accepts_auto():
     assert parse_method("auto").values(METHODS) == {"drafter_dtype": "auto"}
     combined = parse_method("combined:policy=failfast").values(METHODS)
@@ -292,8 +308,9 @@ def test_bench_end_to_end_writes_every_output(target, prompt_file, tmp_path, cap
     out = tmp_path / "out"
     result = run_bench(config, target, registry=registry, out=str(out))
     assert result.exit_code == 0 and not result.failures
-    names = ["plain", "hf-generate", "hf-prompt-lookup", "prompt-lookup:policy=fixed,gamma=4[tau=0.0]",
-             "prompt-lookup:policy=fixed,gamma=4[tau=0.9]", "conditioned", "tiny-block[tau=0.0]", "tiny-block[tau=0.9]"]
+    # the fixed policy reads no tau, so the sweep leaves prompt-lookup:policy=fixed as it is
+    names = ["plain", "hf-generate", "hf-prompt-lookup", "prompt-lookup:policy=fixed,gamma=4",
+             "conditioned", "tiny-block[tau=0.0]", "tiny-block[tau=0.9]"]
     for f in ("results.jsonl", "summary.md", "summary.json", "speedup.png", "accepted_length.png", "raster.png"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     assert (out / "raster.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

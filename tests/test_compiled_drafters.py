@@ -66,12 +66,15 @@ def test_compiled_drafter_drafts_as_eager_and_keeps_the_output(kind):
     assert drafter.compile_record["compile_s"] > 0 and "compiled" in drafter.describe()
     assert "compiled" not in eager.describe()
     drafter._compiled_fn = spy = CountingCalls(drafter._compiled_fn)
+    extras = {name: CountingCalls(fn) for name, fn in drafter._compiled_extras.items()}
+    drafter._compiled_extras = dict(extras)
+    assert set(extras) == ({"context"} if kind == "conditioned" else set())  # its context keys/values too
     before = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):  # no request compiles anything
         for prompt in PROMPTS[:2]:
             got = engine.generate(prompt, max_new_tokens=20, stop_token_ids=[]).token_ids
             assert got == reference_greedy(target.model, prompt, 20, stop_ids=())
-        assert spy.calls > 0
+        assert spy.calls > 0 and all(e.calls > 0 for e in extras.values())
         SpeculativeEngine(target, drafter, FixedPolicy(5))  # attached again (the auto policy's calibration)
         assert drafter.runs_compiled and drafter._compiled_fn is spy  # nothing compiled again
         for prompt in PROMPTS[2:] + PROMPTS[:1]:  # other context lengths, another request

@@ -15,7 +15,9 @@ def policy_options(args) -> dict:
     (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
     given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
              "recalibrate": True if getattr(args, "recalibrate", False) else None}
-    reads = {"fixed": {"gamma"}, "failfast": {"tau", "n", "n_max"}, "auto": {"recalibrate"}}[args.policy]
+    from .policies import POLICY_SETTINGS
+
+    reads = POLICY_SETTINGS[args.policy]
     flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}
     ignored = [flags[k] for k, v in given.items() if v is not None and k not in reads]
     if ignored:

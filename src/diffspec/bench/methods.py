@@ -182,8 +182,9 @@ METHODS: dict = {m.name: m for m in [
               (_drafter("block-diffusion"), _GAMMA, _DRAFTER_DTYPE), _engine_builder(None, "fixed")),
     MethodDef("failfast", "block-diffusion drafter + FailFast policy",
               (_drafter("block-diffusion"), _DRAFTER_DTYPE) + _FAILFAST, _engine_builder(None, "failfast")),
-    MethodDef("conditioned", "target-conditioned drafter, fixed gamma (default: its block size - 1)",
-              (_drafter("conditioned"), _GAMMA, _DRAFTER_DTYPE), _engine_builder(None, "fixed")),
+    MethodDef("conditioned", "target-conditioned drafter, fixed gamma (default: its block size - 1) by default",
+              (_drafter("conditioned"), _policy("fixed"), _GAMMA) + _FAILFAST + (_DRAFTER_DTYPE,),
+              _engine_builder(None, None)),
     MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
               (_drafter("conditioned"), _DRAFTER_DTYPE) + _FAILFAST, _engine_builder(None, "failfast")),
     MethodDef("llama.cpp", "llama.cpp's own plain decoding of the target's GGUF (llama-cpp-python Llama.generate; "

@@ -65,8 +65,32 @@ def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:
     for req in definition.required:
         if req not in keys:
             raise DiffspecError(f"method '{base}' needs {req}=..., e.g. {base}:{req}=PATH")
+    check_policy_settings(definition, params, text)
     name = base if not params else f"{base}:" + ",".join(f"{k}={v}" for k, v in params)
     return MethodSpec(name, base, tuple(params))
+
+
+def _reads(definition: MethodDef, params: Sequence[tuple], key: str) -> bool:
+    """Whether a run of the method with these parameters reads `key`: it must accept it, and a policy
+    setting (gamma, tau, n, n_max) must be one its policy (given, or the method's default) reads."""
+    from ..policies import POLICY_SETTINGS
+
+    if not definition.accepts(key):
+        return False
+    if not definition.accepts("policy"):
+        return True  # the method's policy is fixed in its builder, and it takes only that policy's settings
+    policy = dict(params).get("policy", definition.param("policy").default)
+    return key in POLICY_SETTINGS[policy] or all(key not in keys for keys in POLICY_SETTINGS.values())
+
+
+def check_policy_settings(definition: MethodDef, params: Sequence[tuple], label: str) -> None:
+    """Refuse a setting that the method's policy (given, or its default) would not read, e.g.
+    `prompt-lookup:policy=auto,gamma=4` or `conditioned:tau=0.3` (fixed by default): never ignored silently."""
+    policy = dict(params).get("policy", definition.param("policy").default if definition.accepts("policy") else "")
+    ignored = [k for k, _ in params if not _reads(definition, params, k)]
+    if ignored:
+        raise DiffspecError(f"method '{label}': {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply "
+                            f"to the {policy} policy (gamma: fixed; tau, n, n_max: failfast)")
 
 
 def parse_sweep(items: Sequence[str]) -> tuple:
@@ -87,19 +111,20 @@ def parse_sweep(items: Sequence[str]) -> tuple:
 def expand_methods(specs: Sequence[str], sweep: Sequence[str] = (), registry: Optional[dict] = None) -> list:
     """Method spec strings (+ sweep) -> unique MethodSpecs, `plain` first (added if missing).
 
-    Each method that accepts some swept parameters becomes the cross product of their values
+    Each method that reads some swept parameters (accepts them, under its policy) becomes the cross product of their values
     (sweep values replace the method's own overrides of the same parameter)."""
     registry = METHODS if registry is None else registry
     parsed = [parse_method(s, registry) for s in specs]
     grid = parse_sweep(sweep)
     for key, _ in grid:
-        if not any(registry[p.method].accepts(key) for p in parsed):
+        if not any(_reads(registry[p.method], p.params, key) for p in parsed):
             raise DiffspecError(f"--sweep {key}: none of the methods {', '.join(p.name for p in parsed) or '(none)'} "
-                                f"accepts that parameter")
+                                f"accepts that parameter (under its policy)")
     out = []
     for spec in parsed:
         definition = registry[spec.method]
-        axes = [(k, [_convert(definition, k, v) for v in vals]) for k, vals in grid if definition.accepts(k)]
+        axes = [(k, [_convert(definition, k, v) for v in vals]) for k, vals in grid
+                if _reads(definition, spec.params, k)]
         if not axes:
             out.append(spec)
             continue
@@ -107,6 +132,7 @@ def expand_methods(specs: Sequence[str], sweep: Sequence[str] = (), registry: Op
             swept = dict(zip([k for k, _ in axes], combo))
             params = tuple((k, v) for k, v in spec.params if k not in swept) + tuple(swept.items())
             label = ",".join(f"{k}={v}" for k, v in swept.items())
+            check_policy_settings(definition, params, f"{spec.name}[{label}]")
             out.append(MethodSpec(f"{spec.name}[{label}]", spec.method, params))
     names = [s.name for s in out]
     dupes = sorted({n for n in names if names.count(n) > 1})

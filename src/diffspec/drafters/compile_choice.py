@@ -12,7 +12,8 @@ A drafter follows the target's `--compile` mode (compiled.py; the transformers b
   the compile.
 
 What is compiled is one module's forward (`_compile_module()`: a drafter's body, never its output
-head, which stays eager and applies to the rows read only), `torch.compile(dynamic=True)`: the context
+head, which stays eager and applies to the rows read only), and any other function of the step the
+drafter names (`_compile_extra_parts()`), each `torch.compile(dynamic=True)`: the context
 length is symbolic, so a request's growing context reuses one graph. A drafter runs a pass compiled only
 in its steady-state shape (`_compiled_body(eligible)`: e.g. a block of its block size on a non-empty
 cache); other passes (the first commit of a prompt) run the same module eagerly, on the same weights
@@ -52,11 +53,19 @@ class CompilesPasses:
     compile_note: str = ""           # what attach chose and why (for describe())
     compile_record: dict = {}        # compile seconds and auto's timings (describe() says the gist)
     _compiled_fn = None              # torch.compile(module.forward), or None
+    _compiled_extras: dict = {}      # name -> torch.compile(fn) of _compile_extra_parts()
     _compiled_active: bool = False   # False: eager (auto's trial, the dtype trial)
     _settled_for = None              # (model, dtype, signature) the last decision (and graph) was made for
 
     def _compile_module(self) -> torch.nn.Module:
         raise NotImplementedError
+
+    def _compile_extra_parts(self) -> dict:
+        """Other functions of the drafter's steady-state step to compile with the body (name -> function;
+        `_compiled_part(name)` hands them out under the same rules), e.g. the conditioned drafter's
+        context keys and values. The warm-up (`_time_step` on the compile contexts) must run each in
+        every shape a request will (a size of 1 is its own graph)."""
+        return {}
 
     def _compile_refusal(self) -> Optional[str]:
         return None
@@ -72,10 +81,17 @@ class CompilesPasses:
 
     def _compiled_body(self, eligible: bool = True):
         """The compiled forward to run this pass with, or None: eager."""
-        if not (eligible and self._compiled_active and self._compiled_fn is not None):
+        return self._valid(self._compiled_fn, eligible)
+
+    def _compiled_part(self, name: str, eligible: bool = True):
+        """The compiled `_compile_extra_parts()[name]`, or None: eager."""
+        return self._valid(self._compiled_extras.get(name), eligible)
+
+    def _valid(self, fn, eligible: bool):
+        if not (eligible and self._compiled_active and fn is not None):
             return None
         model, dtype, _ = self._settled_for
-        return self._compiled_fn if self.model is model and next(model.parameters()).dtype == dtype else None
+        return fn if self.model is model and next(model.parameters()).dtype == dtype else None
 
     @property
     def runs_compiled(self) -> bool:
@@ -108,7 +124,7 @@ class CompilesPasses:
             return  # attached again (the auto policy's calibration) to the same model, dtype and settings
         self._settled_for = settled_for
         self.compile_mode, self.compile_note, self.compile_record = mode, "", {}
-        self._compiled_fn, self._compiled_active = None, False
+        self._compiled_fn, self._compiled_extras, self._compiled_active = None, {}, False
         if mode == "off":
             return
         refusal = self._compile_refusal()
@@ -126,11 +142,13 @@ class CompilesPasses:
         try:  # compiles, on two context lengths (see the module docstring)
             allow_graphs(8)
             self._compiled_fn = torch.compile(self._compile_module().forward, dynamic=True)
+            self._compiled_extras = {name: torch.compile(fn, dynamic=True)
+                                     for name, fn in self._compile_extra_parts().items()}
             self._compiled_active = True
             for context in self._compile_contexts():
                 self._time_step(context_len=context, repeats=1)
         except Exception as e:  # inductor's or dynamo's own errors: eager it is, said
-            self._compiled_fn, self._compiled_active = None, False
+            self._compiled_fn, self._compiled_extras, self._compiled_active = None, {}, False
             self.compile_note = f"eager: compiling failed ({type(e).__name__}: {str(e)[:120]})"
             warnings.warn(f"diffspec: drafter {getattr(self, 'name', '')}: {self.compile_note}", stacklevel=2)
             return

@@ -11,6 +11,9 @@ from .failfast import FailFastPolicy, failfast_next_increment
 from .fixed import FixedPolicy
 
 POLICY_NAMES = ("auto", "fixed", "failfast")
+# the settings each policy reads (make_policy's keywords); a setting given for a policy that does not
+# read it is refused by name (cli_options.policy_options, the bench's method parameters)
+POLICY_SETTINGS = {"fixed": ("gamma",), "failfast": ("tau", "n", "n_max"), "auto": ("recalibrate",)}
 
 
 def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: int = 10, n_max: int = 60,
@@ -28,4 +31,4 @@ def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: in
     raise DiffspecError(f"unknown policy '{name}' (choose from: {', '.join(POLICY_NAMES)})")
 
 
-__all__ = ["AutoPolicy", "LengthPolicy", "FixedPolicy", "FailFastPolicy", "failfast_next_increment", "make_policy", "POLICY_NAMES"]
+__all__ = ["AutoPolicy", "LengthPolicy", "FixedPolicy", "FailFastPolicy", "failfast_next_increment", "make_policy", "POLICY_NAMES", "POLICY_SETTINGS"]
