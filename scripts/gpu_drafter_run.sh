@@ -66,7 +66,8 @@ start)
     bash $PWD/scripts/gpu_drafter_run.sh pack
     timeout ${BENCH_S:-240} python3 -m diffspec bench --device cuda --dataset humaneval,mtbench,champ \
         --num-prompts ${BENCH_N:-4} --max-new-tokens 256 --methods plain prompt-lookup \
-        conditioned:drafter=$G/cond/drafter,gamma=15 failfast:drafter=$G/block/drafter --out $G/bench --quiet \
+        conditioned:drafter=$G/cond/drafter,gamma=15 \
+        conditioned:drafter=$G/cond/drafter,policy=auto failfast:drafter=$G/block/drafter --out $G/bench --quiet \
         > $G/bench.log 2>&1
     echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
   sleep 60; tail -c 800 $G/data.log ;;
