@@ -15,10 +15,16 @@
 # Each carry stays under the 64 MiB a call (the 98 MB GGUF travels in three parts).
 # Budgets (seconds) can be changed with DATA_S, TRAIN_S, BENCH_N; OBJECTIVE=distill trains the conditioned kind
 # on the target's own top-32 distributions (train-drafter --objective distill) instead of its hard labels.
+#
+# Dry run on a CPU (checks the whole pipeline before a GPU session spends minutes on a typo; ~15 min on 2 cores):
+#   bash scripts/gpu_drafter_run.sh prepare
+#   G=/tmp/g DEVICE=cpu PROMPTS=48 DATA_S=60 TRAIN_S=60 EVAL_N=1 BENCH_N=1 BENCH_S=600 \
+#       bash scripts/gpu_drafter_run.sh dry-run
 set -u
-G=/root/g
+G=${G:-/root/g}
+DEVICE=${DEVICE:-cuda}
 source "$(dirname "$0")/gpu_transfer.sh"
-export PYTHONUNBUFFERED=1 DIFFSPEC_CACHE=/root/cache PYTHONPATH=/tmp/site:$G:$PWD/src
+export PYTHONUNBUFFERED=1 DIFFSPEC_CACHE=${DIFFSPEC_CACHE_DIR:-$G/cache} PYTHONPATH=/tmp/site:$G:$PWD/src
 STORE=$G/store
 case "${1:-}" in
 prepare)  # on the development machine (needs the packages from scripts/setup.sh)
@@ -45,26 +51,26 @@ start)
   gpu_unpack || exit 1
   gunzip -c .gpu/rest/corpus.jsonl.gz > $G/corpus.jsonl
   export DIFFSPEC_COMMIT=$(cat .gpu/rest/commit)
-  nvidia-smi --query-gpu=name,memory.total --format=csv
+  nvidia-smi --query-gpu=name,memory.total --format=csv || [ "$DEVICE" != cuda ]
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   # 1. data, 2. two drafters side by side on the one GPU (same store, same recipe), their weights packed
   # at once, 3. a short bench. 'FAILED' in run.log ends `wait` early.
   setsid nohup bash -c "
     fail() { echo FAILED: \$1 >> $G/run.log; exit 1; }
-    python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device cuda --max-new-tokens 256 \
+    python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device $DEVICE --max-new-tokens 256 \
         --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-24000} --max-time ${DATA_S:-390} \
         > $G/data.log 2>&1 || fail make-data
-    python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --device cuda --layers 3 \
+    python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --device $DEVICE --layers 3 \
         --block-size 16 --anchors 512 --batch-sequences 8 --draft-vocab 16384 --max-time ${TRAIN_S:-540} \
         --objective ${OBJECTIVE:-target} \
-        --eval-prompts 10 --eval-tokens 192 > $G/cond.log 2>&1 &
-    python3 -m diffspec train-drafter --data $STORE --out $G/block --kind block --device cuda --layers 4 \
-        --block-size 16 --batch-sequences 16 --max-time ${TRAIN_S:-540} --eval-prompts 5 --eval-tokens 128 \
+        --eval-prompts ${EVAL_N:-10} --eval-tokens 192 > $G/cond.log 2>&1 &
+    python3 -m diffspec train-drafter --data $STORE --out $G/block --kind block --device $DEVICE --layers 4 \
+        --block-size 16 --batch-sequences 16 --max-time ${TRAIN_S:-540} --eval-prompts ${EVAL_N:-5} --eval-tokens 128 \
         > $G/block.log 2>&1 &
     wait
     [ -f $G/cond/drafter/model.safetensors ] || fail train-drafter
     bash $PWD/scripts/gpu_drafter_run.sh pack
-    timeout ${BENCH_S:-240} python3 -m diffspec bench --device cuda --dataset humaneval,mtbench,champ \
+    timeout ${BENCH_S:-240} python3 -m diffspec bench --device $DEVICE --dataset humaneval,mtbench,champ \
         --num-prompts ${BENCH_N:-4} --max-new-tokens 256 --methods plain prompt-lookup \
         conditioned:drafter=$G/cond/drafter,gamma=15 \
         conditioned:drafter=$G/cond/drafter,policy=auto failfast:drafter=$G/block/drafter --out $G/bench --quiet \
@@ -84,5 +90,15 @@ pack)  # the drafter weights and records, ready to come back (run by start after
   cp cond/drafter/config.json pack/cond.config.json 2>/dev/null; true ;;
 collect)
   bash $0 pack; cp $G/pack/results.tgz $G/pack/cond.* $OUT/ 2>/dev/null; ls -la $OUT ;;
-*) echo "usage: $0 prepare|stash N|start|wait [S]|pack|collect" >&2; exit 2 ;;
+dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
+  set -e
+  [ "$G" != /root/g ] || { echo "dry-run: set G to a scratch folder (e.g. G=/tmp/g)" >&2; exit 2; }
+  rm -rf "$G" && mkdir -p "$G/out"
+  gpu_stash 0 > /dev/null; gpu_stash 1 > /dev/null
+  bash $0 start
+  bash $0 wait ${DRY_WAIT_S:-3600}
+  grep -q 'all done' $G/run.log || { echo "dry-run: FAILED (see $G/*.log)" >&2; exit 1; }
+  OUT=$G/out bash $0 collect
+  echo "dry-run: all done; records in $G/out" ;;
+*) echo "usage: $0 prepare|stash N|start|wait [S]|pack|collect|dry-run" >&2; exit 2 ;;
 esac
