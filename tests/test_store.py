@@ -4,6 +4,7 @@ repeated answers are dropped, and bad settings are refused before any model load
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -269,6 +270,44 @@ def test_batch_size_is_measured(tiny_model, monkeypatch):
     choice = choose_batch_size(tiny_model, "cpu", candidates=(1, 4, 8, 16, 32, 64, 128))
     assert calls == [1, 4, 8, 16, 32, 64, 32, 64]  # then the best (64 at first) and its neighbour again
     assert choice.batch_size == 32 and choice.tokens_per_s[32] == pytest.approx(128.0)
+
+
+def test_the_first_chunk_under_a_deadline_is_sized_to_end_in_time(tmp_path, target, convs, monkeypatch):
+    """A chunk the deadline overtakes is lost whole. The first chunk of a run was one batch per temperature
+    whatever the time left: on 2 CPU cores, 48 prompts x 2 temperatures x 256 tokens under a one-minute
+    --max-time stored nothing. It is now sized from the batch probe's tokens/s."""
+    from diffspec.training.store import BatchChoice, first_chunk_prompts
+
+    probe = {"chosen": 64, "tokens_per_s": {"1": 29.9, "4": 89.0, "8": 103.3, "16": 117.6, "32": 170.9, "64": 208.9}}
+    assert first_chunk_prompts(48, 55.0, 2, 256, probe) == 9    # 9 x 2 x 256 / 103.3 tok/s (batch 8) <= 49.5 s
+    assert first_chunk_prompts(48, 3600.0, 2, 256, probe) == 48  # time enough: the whole batch
+    assert first_chunk_prompts(48, 1.0, 2, 256, probe) == 1      # never below one
+    assert first_chunk_prompts(48, 1.0, 2, 256, None) == 48      # a fixed --batch-size: no probe to go by
+
+    # scripted: 40 generated tokens/s at any batch, so n prompts x 2 temperatures x 8 tokens take 0.4 n s;
+    # with 1.5 s left a first chunk of the batch (8 prompts: 1.6 s for its first temperature alone) is lost
+    rate, real = 40.0, store_mod.generate_batch
+
+    def slow_generate(model, prompts, max_new_tokens, *args, **kwargs):
+        time.sleep(len(prompts) * max_new_tokens / rate)
+        return real(model, prompts, max_new_tokens, *args, **kwargs)
+    monkeypatch.setattr(store_mod, "generate_batch", slow_generate)
+    monkeypatch.setattr(store_mod, "choose_batch_size", lambda *a, **k: BatchChoice(8, {1: rate, 4: rate, 8: rate},
+                                                                                   32, "cpu", 0.0))
+    manifest = build(tmp_path / "timed", target, convs, batch_size="auto", max_new_tokens=8, shard_sequences=64,
+                     deadline=time.time() + 1.5)
+    assert 1 <= manifest["prompts_done"] <= 3 and read_store(tmp_path / "timed").manifest["shards"]
+
+
+def test_cli_says_when_the_deadline_left_nothing_stored(tmp_path, tiny_model_dir, corpus_file, capsys, monkeypatch):
+    monkeypatch.setattr(store_mod, "first_chunk_prompts", lambda cap, *a: cap)  # as before: the whole batch
+    monkeypatch.setattr(store_mod, "_answer_chunk", lambda *a: (None, 0))  # the deadline overtook the chunk
+    args = ["make-data", "--out", str(tmp_path / "late"), "--model", str(tiny_model_dir), "--corpus",
+            str(corpus_file), "--max-new-tokens", "8", "--max-prompt-tokens", "48", "--max-time", "60", "--quiet"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--max-time 60 ended before the first chunk of answers was done" in err and "nothing was stored" in err
+    assert "generated tokens/s at batch" in err
 
 
 @pytest.fixture(scope="module")

@@ -390,6 +390,13 @@ def _make_data(args) -> int:
                            temperatures=settings.temperatures, seed=settings.seed, max_prompts=settings.max_prompts,
                            deadline=deadline, progress=not args.quiet, corpus=args.corpus)
     shards = manifest["shards"]
+    if manifest["prompts_done"] == 0 and manifest["prompts_total"] > 0:
+        choice = manifest["settings"].get("batch_choice") or {}
+        pace = (f" (measured here: {choice['tokens_per_s'][str(choice['chosen'])]} generated tokens/s at batch "
+                f"{choice['chosen']})" if choice.get("tokens_per_s") else "")
+        raise DiffspecError(f"--max-time {args.max_time} ended before the first chunk of answers was done{pace}: "
+                            f"nothing was stored in {args.out}; give --max-time more room, or lower --max-new-tokens "
+                            f"or --batch-size")
     print(json.dumps({"folder": str(Path(args.out)), "sequences": sum(s["sequences"] for s in shards),
                       "generated_tokens": sum(s["generated_tokens"] for s in shards),
                       "prompts_done": manifest["prompts_done"], "prompts_total": manifest["prompts_total"],
