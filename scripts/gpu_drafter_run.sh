@@ -16,9 +16,10 @@
 # Budgets (seconds) can be changed with DATA_S, TRAIN_S, BENCH_N; OBJECTIVE=distill trains the conditioned kind
 # on the target's own top-32 distributions (train-drafter --objective distill) instead of its hard labels.
 #
-# Dry run on a CPU (checks the whole pipeline before a GPU session spends minutes on a typo; ~15 min on 2 cores):
+# Dry run on a CPU (checks the whole pipeline before a GPU session spends minutes on a typo; ~10 min on 2 cores;
+# benchmarks/results/issue16_training/gpu_script_dry_run_cpu.txt):
 #   bash scripts/gpu_drafter_run.sh prepare
-#   G=/tmp/g DEVICE=cpu PROMPTS=48 DATA_S=60 TRAIN_S=60 EVAL_N=1 BENCH_N=1 BENCH_S=600 \
+#   G=/tmp/g DEVICE=cpu PROMPTS=48 DATA_S=60 TRAIN_S=60 EVAL_N=1 BENCH_N=1 BENCH_S=900 \
 #       bash scripts/gpu_drafter_run.sh dry-run
 set -u
 G=${G:-/root/g}
