@@ -70,23 +70,29 @@ def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:
     return MethodSpec(name, base, tuple(params))
 
 
+def _chosen_policy(definition: MethodDef, params: Sequence[tuple]) -> Optional[str]:
+    """The policy a method with these parameters runs (given, or its default); None for a method whose
+    policy is fixed in its builder (it takes only that policy's settings)."""
+    if not definition.accepts("policy"):
+        return None
+    return dict(params).get("policy", definition.param("policy").default)
+
+
 def _reads(definition: MethodDef, params: Sequence[tuple], key: str) -> bool:
     """Whether a run of the method with these parameters reads `key`: it must accept it, and a policy
-    setting (gamma, tau, n, n_max) must be one its policy (given, or the method's default) reads."""
+    setting (gamma, tau, n, n_max) must be one its policy reads."""
     from ..policies import POLICY_SETTINGS
 
-    if not definition.accepts(key):
-        return False
-    if not definition.accepts("policy"):
-        return True  # the method's policy is fixed in its builder, and it takes only that policy's settings
-    policy = dict(params).get("policy", definition.param("policy").default)
+    policy = _chosen_policy(definition, params)
+    if not definition.accepts(key) or policy is None:
+        return definition.accepts(key)
     return key in POLICY_SETTINGS[policy] or all(key not in keys for keys in POLICY_SETTINGS.values())
 
 
 def check_policy_settings(definition: MethodDef, params: Sequence[tuple], label: str) -> None:
     """Refuse a setting that the method's policy (given, or its default) would not read, e.g.
     `prompt-lookup:policy=auto,gamma=4` or `conditioned:tau=0.3` (fixed by default): never ignored silently."""
-    policy = dict(params).get("policy", definition.param("policy").default if definition.accepts("policy") else "")
+    policy = _chosen_policy(definition, params)
     ignored = [k for k, _ in params if not _reads(definition, params, k)]
     if ignored:
         raise DiffspecError(f"method '{label}': {', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply "
