@@ -1,19 +1,23 @@
-"""Issue 19, GPU part: what one target pass costs on CUDA, eager against CUDA graphs.
+"""Issue 19, GPU part: what one target pass costs, eager against compiled, and with CUDA graphs.
 
-Measures, for SmolLM2-135M (or --model) on a GPU, the wall time of one pass over k + 1 tokens
-(k = 0: a plain decoding step) at a 256-token context:
-  - `eager`: diffspec's own target (`Target.forward`: position-indexed cache, eager PyTorch);
-  - `graphs`: transformers' StaticCache with the forward compiled as `torch.compile(mode=
-    "reduce-overhead", fullgraph=True)` (CUDA graphs), one graph per width k + 1, the design the
-    issue asks to build into the engine (widths bucketed so a request records a handful);
-and each width's compile time, and whether the graph's logits equal eager's argmax row by row.
-Prints a line per width and writes --out JSON; a width whose compile or graph fails is recorded
-with its error. On a CPU (`--device cpu --mode default --ks 0 1`, torch 2.13, transformers 5.23) the
-compiled static-cache pass did NOT reproduce eager: one row gave logits off by up to 5.3 (argmax
-differs) and the next width failed with an index out of bounds in inductor's kernel, while the same
-static-cache pass run eagerly matched to 2e-5: see what the GPU says before building on it.
+Measures, for SmolLM2-135M (or --model), the wall time of one pass over k + 1 tokens (k = 0: a plain
+decoding step) at a --context-token context, rolled back after each pass, for three targets built
+by diffspec itself (`Target`):
+  - `eager`: the position-indexed cache, eager PyTorch (`--compile off`);
+  - `dynamic`: the same cache, passes compiled with a symbolic length (`--compile on` on a CPU);
+  - `fixed`: the fixed-capacity cache, passes compiled with static shapes, which on CUDA run as CUDA
+    graphs (`--compile on` on CUDA: inductor's reduce-overhead).
+Each compiled target compiles the widths k + 1 at start (its compile seconds per width are recorded),
+and every row of a compiled pass is compared with eager's (argmax, largest logit difference).
+Prints a line per k and writes --out JSON.
 
     python benchmarks/gpu_pass_latency.py --device cuda --out OUT.json
+    python benchmarks/gpu_pass_latency.py --device cpu --ks 0 3 --variants eager fixed   # a check on a CPU
+
+(An earlier version drove transformers' StaticCache by hand and passed `cache_position`, which
+transformers 5.23 no longer reads: its layers count their length themselves, so every timed pass
+wrote further on, and the CPU check read "logits off by 5.3" and then an index out of bounds. The
+fixed-capacity cache of `Target` rolls the length back; tests/test_fixed_cache.py checks it.)
 """
 import argparse
 import json
@@ -21,7 +25,11 @@ import time
 
 import torch
 
+from diffspec import compiled as C
 from diffspec.target import Target
+
+VARIANTS = {"eager": dict(compile="off"), "dynamic": dict(compile="on", fixed_cache=False),
+            "fixed": dict(compile="on", fixed_cache=True)}
 
 
 def timed(fn, device, reps):
@@ -44,58 +52,52 @@ def main():
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3, 7, 15])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode for `graphs` (reduce-overhead: CUDA "
-                                                              "graphs; default: inductor alone)")
+    ap.add_argument("--kernels", default="stock", help="diffspec --kernels (on a CPU: auto is the default there)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from transformers import StaticCache
-
-    target = Target.load(args.model, device=args.device, quiet=True, kernels="stock")
-    device, model = target.device, target.model
-    ids = torch.randint(0, target.vocab_size, (args.context + max(args.ks) + 1,),
+    C.WIDTH_BUCKETS = tuple(sorted({k + 1 for k in args.ks}))  # compile exactly the widths measured
+    targets, started = {}, {}
+    for name in args.variants:
+        t0 = time.perf_counter()
+        targets[name] = Target.load(args.model, device=args.device, quiet=True, kernels=args.kernels, **VARIANTS[name])
+        started[name] = {"start_s": round(time.perf_counter() - t0, 1), "compile_s": targets[name].compiled.compile_s,
+                         "runs": targets[name].compiled.describe(), "cache": targets[name].runtime()["cache"]}
+        print(name, started[name], flush=True)
+    first = next(iter(targets.values()))
+    device = first.device
+    ids = torch.randint(0, first.vocab_size, (args.context + max(args.ks) + 1,),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    rows = {}
-    static = StaticCache(config=model.config, max_cache_len=args.context + max(args.ks) + 8)
-    with torch.inference_mode():
-        model(input_ids=ids[None, :args.context], past_key_values=static, use_cache=True,
-              cache_position=torch.arange(args.context, device=device))
-    compiled = torch.compile(model.forward, mode=args.mode)
-    for k in args.ks:
-        # eager: our target, rolled back after each pass
-        target.reset()
-        target.reserve(args.context + k + 8)
+    for target in targets.values():
+        target.reserve(args.context + max(args.ks) + 1)
         target.forward(ids[:args.context], logits=False)
+    rows = {}
+    for k in args.ks:
+        tokens = ids[args.context:args.context + k + 1]
 
-        def eager_pass():
-            out = target.forward(ids[args.context:args.context + k + 1])
+        def one_pass(target):
+            out = target.forward(tokens)
             target.truncate(args.context)
             return out.logits
 
-        want = eager_pass()
-        eager_ms = timed(eager_pass, device, args.reps)
-        # graphs: the same pass through the static cache (the rows it writes are overwritten next time)
-        pos = torch.arange(args.context, args.context + k + 1, device=device)
-        tokens = ids[None, args.context:args.context + k + 1]
-
-        def graph_pass():
-            with torch.inference_mode():
-                return compiled(input_ids=tokens, past_key_values=static, use_cache=True, cache_position=pos).logits[0]
-
-        row = {"eager_ms": round(eager_ms, 3)}
-        try:
-            t0 = time.perf_counter()
-            for _ in range(3):  # reduce-overhead records on the second or third call
-                got = graph_pass()
-            row["compile_s"] = round(time.perf_counter() - t0, 1)
-            row["graphs_ms"] = round(timed(graph_pass, device, args.reps), 3)
-            row["argmax_equal"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
-            row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
-        except Exception as exc:  # a compile or graph failure is a finding, recorded per width
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        want = one_pass(targets["eager"]) if "eager" in targets else None
+        row = {}
+        for name, target in targets.items():
+            try:
+                got = one_pass(target)
+                row[f"{name}_ms"] = round(timed(lambda: one_pass(target), device, args.reps), 3)
+                if want is not None and name != "eager":
+                    row[f"{name}_argmax_equal"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+                    row[f"{name}_max_abs_diff"] = float((got.float() - want.float()).abs().max())
+            except Exception as exc:  # a failing pass is a finding, recorded per variant and width
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows[k] = row
         print(f"k {k:2d}: " + ", ".join(f"{a} {b}" for a, b in row.items()), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    record = {"device": name, "torch": torch.__version__, "context": args.context, "mode": args.mode, "passes": rows}
+    # where inductor ran a graph without CUDA graphs after all (a CPU tensor or an unmarked mutated input in it)
+    skips = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+    record = {"device": name, "torch": torch.__version__, "context": args.context, "kernels": args.kernels,
+              "targets": started, "passes": rows, "cudagraph_skips": skips}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

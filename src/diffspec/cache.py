@@ -15,6 +15,10 @@ transformers 5.23 builds one cache layer per decoder layer from the model's conf
 - linear attention / convolution / hybrid layers (Mamba-style, Qwen3-Next, LFM2, ...): a recurrent
   state cannot be cut back to an earlier position; such models are refused by name (`check_rollback`).
 
+For passes of fixed shapes (CUDA graphs), `new_fixed_cache` gives transformers' StaticCache instead: the
+whole capacity is allocated once and every pass attends over it under a causal mask, so rolling back is
+setting the layers' length (`set_fixed_length`) and the rows past it, stale, are never read.
+
 transformers 5.23 also changed `DynamicCache.crop` to take a non-positive count of tokens to remove
 (older versions took the length to keep); `truncate_cache` is the one caller.
 """
@@ -23,8 +27,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, get_layer_types_and_kwargs
 
 from .errors import DiffspecError
 
@@ -133,6 +138,65 @@ def reserve_cache(cache: DynamicCache, positions: int) -> None:
     for layer in cache.layers:
         if isinstance(layer, PositionalLayer):
             layer.reserve(positions)
+
+
+#: the smallest capacity of a fixed-capacity cache (`new_fixed_cache`): a request's positions are rounded
+#: up to a power of two from here (then capped at the model's context), so a process records few shapes
+FIXED_CAPACITY_MIN = 2048
+
+
+def fixed_capacity(positions: int, max_context: int) -> int:
+    """The capacity of the fixed-capacity cache that holds `positions` positions: the next power of two
+    from FIXED_CAPACITY_MIN, at most the model's context."""
+    capacity = FIXED_CAPACITY_MIN
+    while capacity < positions:
+        capacity *= 2
+    return max(1, min(capacity, int(max_context)))
+
+
+def new_fixed_cache(config, capacity: int) -> StaticCache:
+    """A fixed-capacity cache (transformers' StaticCache) for passes of fixed shapes, which CUDA graphs
+    need: every pass writes its rows in place at the layer's length (a tensor, read inside the graph)
+    and attends over the whole capacity under a causal mask, so positions past the length, stale
+    after a rollback, are never read. Rolling back is setting the length (`set_fixed_length`).
+    Full-attention layers only (a sliding window's ring buffer cannot be rolled back this way)."""
+    check_rollback(config)
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise DiffspecError(f"a fixed-capacity cache supports full-attention layers only; this model has "
+                            f"{', '.join(other)} layers")
+    return StaticCache(config=config, max_cache_len=int(capacity))
+
+
+def fixed_cache_capacity(cache: StaticCache) -> int:
+    return int(cache.layers[0].max_cache_len)
+
+
+def set_fixed_length(cache: StaticCache, length: int) -> None:
+    """Move every layer of a fixed-capacity cache to `length` positions (a rollback, or the cut after a
+    padded pass): in place, so the tensor a compiled graph reads keeps its address. (Under inference
+    mode: the passes made these tensors under it.)"""
+    with torch.inference_mode():
+        _set_lengths(cache, length)
+
+
+def _set_lengths(cache: StaticCache, length: int) -> None:
+    for layer in cache.layers:
+        assert isinstance(layer, StaticLayer)
+        if layer.is_initialized:
+            layer.cumulative_length.fill_(int(length))
+
+
+def copy_fixed_cache(source: StaticCache, target: StaticCache, length: int) -> None:
+    """Copy the first `length` positions of one fixed-capacity cache into another (a larger one)."""
+    with torch.inference_mode():
+        for old, new in zip(source.layers, target.layers):
+            if old.is_initialized:
+                new.lazy_initialization(old.keys[:, :, :1], old.values[:, :, :1])
+                new.keys[:, :, :length] = old.keys[:, :, :length]
+                new.values[:, :, :length] = old.values[:, :, :length]
+        _set_lengths(target, length)
 
 
 def common_prefix_length(a, b) -> int:

@@ -31,6 +31,19 @@ The modes:
   The decision is cached per machine, model and torch version: where eager won, later starts skip
   the compile. Compiled code itself is cached by torch's inductor (its FX graph cache), not by us.
 
+On CUDA, CUDA graphs: eager PyTorch is launch-bound there on small models (a pass of a 135M model cost
+~25 ms on an H100 whatever its width: hundreds of kernel launches), and a graph replays a whole pass
+in one launch. A graph needs fixed shapes and fixed addresses, which a cache whose length grows does
+not give; so on CUDA, compiled passes run over a fixed-capacity cache (cache.new_fixed_cache:
+transformers' StaticCache, rolled back by setting its length) with static shapes, under inductor's
+`reduce-overhead` (CUDA graph trees): one graph per width and capacity (capacities are powers of two
+from 2048, so a process records few), recorded at start under `on`. Outputs of a graph are overwritten
+by its next replay: Target.forward returns copies. On a CPU the same fixed-capacity passes measured
+no faster than the symbolic-length ones at a 512-position capacity, and 1.9x slower at 2048 (attention
+over the whole capacity; `benchmarks/results/issue19_engine/fixed_vs_dynamic_avx512.txt`,
+`pass_latency_cpu_avx512.json`), so a CPU keeps the position-indexed cache (`Target(fixed_cache=True)`
+asks for the other anywhere; the tests run it on a CPU).
+
 Drafters: the block-diffusion and conditioned drafters follow the target's mode for their own steady-state
 pass (drafters/compile_choice.py).
 
@@ -111,16 +124,31 @@ class CompiledPasses:
     compile_s: Dict[str, float] = field(default_factory=dict)  # shape -> seconds of its first (compiling) pass
     decision: dict = field(default_factory=dict)     # auto's measurement
     quiet: bool = True
+    fixed_shapes: bool = False                       # static shapes over a fixed-capacity cache
+    cuda_graphs: bool = False                        # ... replayed as CUDA graphs
 
     @classmethod
-    def build(cls, model: torch.nn.Module, mode: str, quiet: bool = True) -> "CompiledPasses":
+    def build(cls, model: torch.nn.Module, mode: str, quiet: bool = True,
+              fixed_shapes: bool = False) -> "CompiledPasses":
+        """`fixed_shapes`: the target's cache has a fixed capacity (cache.new_fixed_cache), so every tensor
+        of a pass has a static shape: one graph per width (and capacity), compiled with static shapes,
+        and on CUDA run as CUDA graphs (inductor's `reduce-overhead`: a pass is one graph launch, where
+        eager PyTorch launches hundreds of small kernels). Otherwise the cache length is symbolic
+        (`dynamic=True`) and a width's graph serves every context length."""
         check_compile(mode)
         if mode == "off":
-            return cls("off", quiet=quiet)
+            return cls("off", quiet=quiet, fixed_shapes=fixed_shapes)
         check_compilable(model.config)
         allow_graphs(4 * len(WIDTH_BUCKETS))
-        fn = torch.compile(model.forward, dynamic=True)
-        return cls(mode, fn, None if mode == "on" else set(), quiet=quiet)
+        install_output_hooks(model)
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        cuda_graphs = fixed_shapes and on_cuda
+        if fixed_shapes:
+            fn = torch.compile(model.forward, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+        else:
+            fn = torch.compile(model.forward, dynamic=True)
+        return cls(mode, fn, None if mode == "on" else set(), quiet=quiet, fixed_shapes=fixed_shapes,
+                   cuda_graphs=cuda_graphs)
 
     def graph_rows(self, shape: PassShape) -> Optional[int]:
         """The width of the graph a pass of this shape runs (its rows padded up to a bucket), or None:
@@ -140,9 +168,10 @@ class CompiledPasses:
         """Whether plain decoding's one-row pass runs compiled."""
         return self.runs((1, True))
 
-    def timed_first(self, shape: PassShape, seconds: float) -> None:
-        """Record (and report) the first pass of a shape: the one that compiled it."""
-        key = f"{shape[0]} rows"
+    def timed_first(self, shape: PassShape, seconds: float, capacity: Optional[int] = None) -> None:
+        """Record (and report) the first pass of a shape (at a fixed cache `capacity`, which is part of
+        the shape): the one that compiled it."""
+        key = f"{shape[0]} rows" + (f" at {capacity} positions" if capacity is not None else "")
         if key in self.compile_s:
             return
         self.compile_s[key] = round(seconds, 2)
@@ -151,14 +180,25 @@ class CompiledPasses:
 
     def describe(self) -> str:
         if self.fn is None:
-            return "eager"
+            return "eager" + (" (fixed-capacity cache)" if self.fixed_shapes else "")
+        how = ", CUDA graphs" if self.cuda_graphs else (", static shapes" if self.fixed_shapes else "")
         if self.shapes is None:
-            return f"compiled (passes of up to {WIDTH_BUCKETS[-1]} rows, padded to {', '.join(map(str, WIDTH_BUCKETS))})"
-        return "compiled one-row pass" if self.shapes else "eager (auto: compiled one-row pass measured slower)"
+            widths = ", ".join(map(str, WIDTH_BUCKETS))
+            return f"compiled (passes of up to {WIDTH_BUCKETS[-1]} rows, padded to {widths}{how})"
+        return f"compiled one-row pass{how}" if self.shapes else "eager (auto: compiled one-row pass measured slower)"
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "runs": self.describe(), "compile_s": dict(self.compile_s),
                 "decision": dict(self.decision)}
+
+
+def install_output_hooks(model: torch.nn.Module) -> None:
+    """transformers installs the hooks that collect hidden states on a model's first pass that asks for
+    them, under a lock that torch.compile cannot trace (a graph break): install them before compiling,
+    with one eager pass of one token that reads them."""
+    with torch.inference_mode():
+        ids = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
+        model(input_ids=ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
 
 
 def compile_widths(target, context: int = 32) -> None:

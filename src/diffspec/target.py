@@ -22,7 +22,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .cache import cache_length, new_cache, reserve_cache, truncate_cache
+from .cache import (cache_length, copy_fixed_cache, fixed_cache_capacity, fixed_capacity, new_cache,
+                    new_fixed_cache, reserve_cache, set_fixed_length, truncate_cache)
 from .errors import DiffspecError
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
@@ -194,12 +195,17 @@ class Target(TargetBase):
     backend = "transformers"
 
     def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model",
-                 kernels: str = "stock", quiet: bool = True, compile: str = "off"):
+                 kernels: str = "stock", quiet: bool = True, compile: str = "off",
+                 fixed_cache: Optional[bool] = None):
         """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
         or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
         `compile` (compiled.py): 'off', 'on' (every pass of up to 32 rows, in bucketed widths compiled at
-        start) or 'auto' (the one-row pass compiled at start and kept where it measures faster)."""
+        start) or 'auto' (the one-row pass compiled at start and kept where it measures faster).
+        `fixed_cache` (cache.new_fixed_cache): a fixed-capacity cache, whose passes have fixed shapes, so
+        compiled passes are compiled once per width with static shapes and, on CUDA, run as CUDA graphs.
+        None (default): on CUDA whenever passes are compiled; elsewhere the position-indexed cache, whose
+        length is symbolic in the compiled graphs."""
         from . import attention
         from . import compiled as comp
         from . import kernels as kern
@@ -220,7 +226,11 @@ class Target(TargetBase):
         self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
         self.forward_passes = 0
         self._fingerprint: Optional[str] = None
-        self._cache = new_cache(model.config)
+        self.fixed_cache = bool(fixed_cache) if fixed_cache is not None else \
+            (compile != "off" and self.device.type == "cuda")
+        self._length = 0  # positions held, with a fixed-capacity cache (whose own length is a tensor)
+        self._cache = new_fixed_cache(model.config, fixed_capacity(0, self.max_context)) if self.fixed_cache \
+            else new_cache(model.config)
         self.kernels = kernels
         self.linear_plan = kern.LinearPlan()
         if kernels != "stock" and self.device.type == "cpu":
@@ -229,7 +239,7 @@ class Target(TargetBase):
             attention.install(model)  # GQA without copying the cache (attention.py)
         else:
             attention.uninstall(model)  # transformers' own, whatever ran this model before
-        self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet)
+        self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet, fixed_shapes=self.fixed_cache)
         if compile == "auto":
             comp.choose_one_row(self)
         elif compile == "on":
@@ -238,7 +248,7 @@ class Target(TargetBase):
     @classmethod
     def load(cls, spec: Optional[str] = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
              max_context: Optional[int] = None, quiet: bool = False, kernels: str = "auto",
-             compile: str = "off") -> "Target":
+             compile: str = "off", fixed_cache: Optional[bool] = None) -> "Target":
         from .compiled import check_compile
         from .kernels import check_kernels
 
@@ -246,23 +256,40 @@ class Target(TargetBase):
         check_compile(compile)
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
         return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL, kernels=kernels, quiet=quiet,
-                   compile=compile)
+                   compile=compile, fixed_cache=fixed_cache)
 
     # --- cache -------------------------------------------------------------------------
     def reset(self) -> None:
-        self._cache = new_cache(self.model.config)
+        if self.fixed_cache:  # the same buffers (their addresses are in the compiled graphs), length 0
+            set_fixed_length(self._cache, 0)
+            self._length = 0
+        else:
+            self._cache = new_cache(self.model.config)
 
     def reserve(self, positions: int) -> None:
-        """Preallocate the position-indexed cache layers for the request (none grows mid-request)."""
-        reserve_cache(self._cache, min(int(positions), self.max_context))
+        """Preallocate the cache for the request (none grows mid-request)."""
+        positions = min(int(positions), self.max_context)
+        if not self.fixed_cache:
+            reserve_cache(self._cache, positions)
+        elif positions > fixed_cache_capacity(self._cache):
+            # a larger capacity: other shapes, so compiled passes compile their graphs again for it
+            grown = new_fixed_cache(self.model.config, fixed_capacity(positions, self.max_context))
+            copy_fixed_cache(self._cache, grown, self._length)
+            self._cache = grown
 
     @property
     def cache_len(self) -> int:
-        return cache_length(self._cache)
+        return self._length if self.fixed_cache else cache_length(self._cache)
 
     def truncate(self, length: int) -> None:
         """Roll the KV cache back to its first `length` positions."""
-        truncate_cache(self._cache, length)
+        if length < 0:
+            raise ValueError(f"cache length must be >= 0, got {length}")
+        if not self.fixed_cache:
+            truncate_cache(self._cache, length)
+        elif length < self._length:  # positions past the length are never read (causal mask)
+            set_fixed_length(self._cache, length)
+            self._length = length
 
     # --- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -278,22 +305,31 @@ class Target(TargetBase):
         if self.cache_len + n > self.max_context:
             raise DiffspecError(f"sequence of {self.cache_len + n} tokens exceeds the model's context "
                                 f"of {self.max_context}")
+        if self.fixed_cache:
+            self.reserve(self.cache_len + n)
         width = self.compiled.graph_rows((n, bool(logits))) if self.cache_len > 0 else None
         if width is not None and self.cache_len + width > self.max_context:
             width = None  # the padding rows would not fit the model's context
+        if width is not None and self.fixed_cache and self.cache_len + width > fixed_cache_capacity(self._cache):
+            width = None  # nor the cache's capacity
         started = time.perf_counter()
         if width is None:
             out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache, use_cache=True,
                              output_hidden_states=bool(hidden_layers), logits_to_keep=0 if logits else 1)
+            self._length += n if self.fixed_cache else 0
         else:
             out = self._compiled_pass(tokens.reshape(n).to(self.device), width)
-            self.compiled.timed_first((width, True), time.perf_counter() - started)
+            self.compiled.timed_first((width, True), time.perf_counter() - started,
+                                      fixed_cache_capacity(self._cache) if self.fixed_cache else None)
         self.forward_passes += 1
         hidden = None
         if hidden_layers:
             # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
             hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
-        return TargetOutput(out.logits[0, :n], hidden)
+        rows = out.logits[0, :n]
+        if width is not None and self.fixed_cache:
+            rows = rows.clone()  # a CUDA graph's outputs are overwritten by its next replay
+        return TargetOutput(rows, hidden)
 
     def _compiled_pass(self, ids: torch.Tensor, width: int):
         """One pass through the compiled graph of `width` rows (compiled.py): the ids padded with copies
@@ -302,13 +338,20 @@ class Target(TargetBase):
         are returned, so all callers share one graph per width."""
         n, start = ids.shape[0], self.cache_len
         if width > n:
-            reserve_cache(self._cache, start + width)  # the padding must not grow the cache inside the graph
+            if not self.fixed_cache:
+                reserve_cache(self._cache, start + width)  # the padding must not grow the cache inside the graph
             ids = torch.cat((ids, ids[-1:].expand(width - n)))
         else:
             ids = ids.clone()
+        if self.fixed_cache and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are no longer read
         out = self.compiled.fn(input_ids=ids.view(1, width), past_key_values=self._cache, use_cache=True,
                                output_hidden_states=True, logits_to_keep=0)
-        if width > n:
+        if self.fixed_cache:
+            self._length = start + n
+            if width > n:
+                set_fixed_length(self._cache, start + n)
+        elif width > n:
             truncate_cache(self._cache, start + n)
         return out
 
@@ -329,7 +372,9 @@ class Target(TargetBase):
     def runtime(self) -> dict:
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
         return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
-                "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json()}
+                "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json(),
+                "cache": (f"fixed capacity ({fixed_cache_capacity(self._cache)} positions)" if self.fixed_cache
+                          else "position-indexed")}
 
     @property
     def base_fingerprint(self) -> str:
@@ -346,7 +391,9 @@ class Target(TargetBase):
     @property
     def fingerprint(self) -> str:
         """Equal for two targets that compute alike, at the same speed (the cost tables' key)."""
+        from .costs import cache_key
+        if self.fixed_cache:  # attention over the whole capacity: other costs, compiled or not (not keyed by
+            return cache_key(self.base_fingerprint, self.compiled.describe(), "fixed")  # capacity: it may grow)
         if self.compiled.fn is None or self.compiled.shapes == set():
             return self.base_fingerprint
-        from .costs import cache_key
         return cache_key(self.base_fingerprint, self.compiled.describe())
