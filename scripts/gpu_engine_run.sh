@@ -52,7 +52,7 @@ start)
         --methods plain auto prompt-lookup --out $G/out/bench_cuda_compile_on > $G/out/bench_cuda_compile_on.txt 2>&1 \
         || fail bench-compile-on
     echo 'all done' >> $G/run.log" > $G/side.log 2>&1 &
-  sleep 30; tail -c 800 $G/out/profile_cuda.txt ;;
+  sleep 30; tail -c 800 $G/out/profile_cuda.txt 2>/dev/null; tail -c 400 $G/out/pass_latency.txt 2>/dev/null; true ;;
 wait)
   end=$(( $(date +%s) + ${2:-540} ))
   while [ $(date +%s) -lt $end ]; do grep -q 'all done' $G/run.log 2>/dev/null && break; sleep 10; done

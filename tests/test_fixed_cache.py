@@ -40,6 +40,9 @@ def test_capacity_is_a_power_of_two_from_the_minimum_capped_at_the_context():
 
 
 def test_fixed_cache_is_the_default_on_cuda_under_compile_only():
+    assert [C.wants_fixed_cache(mode, "cuda") for mode in ("off", "on", "auto")] == [False, True, True]
+    assert [C.wants_fixed_cache(mode, "cpu") for mode in ("off", "on", "auto")] == [False, False, False]
+    assert C.wants_fixed_cache("on", "cuda", False) is False and C.wants_fixed_cache("off", "cpu", True) is True
     target = Target(make_model(70), compile="off")
     assert not target.fixed_cache and target.runtime()["cache"] == "position-indexed"
     fixed = Target(make_model(70), fixed_cache=True)
@@ -51,6 +54,35 @@ def test_fixed_cache_is_the_default_on_cuda_under_compile_only():
                         num_key_value_heads=2, sliding_window=8, max_position_embeddings=128)
     with pytest.raises(Exception, match="full-attention layers only"):
         Target(MistralForCausalLM(cfg).eval(), fixed_cache=True)
+    with pytest.raises(Exception, match="use --compile off"):  # under compile: the compile check's own words
+        Target(MistralForCausalLM(cfg).eval(), fixed_cache=True, compile="on")
+    model = make_model(70)
+    model.config._attn_implementation = "flash_attention_2"  # builds its own mask: would read stale rows
+    with pytest.raises(Exception, match="needs sdpa or eager attention; this model runs 'flash_attention_2'"):
+        Target(model, fixed_cache=True)
+
+
+def test_a_pass_that_fails_midway_leaves_no_layer_ahead_of_the_length():
+    """Each layer counts a pass's rows as it writes them: a pass that fails after the first layer (out of
+    memory, an interrupt) must not leave that layer's length ahead of the others and of cache_len, or the
+    next passes would write at one position and attend as if at another."""
+    ids = torch.arange(1, 40)
+    ref, fixed = Target(make_model(70, seed=5)), Target(make_model(70, seed=5), fixed_cache=True)
+    for t in (ref, fixed):
+        t.forward(ids[:20], logits=False)
+    second = fixed.model.model.layers[1]
+    original = second.forward
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    second.forward = fail
+    with pytest.raises(RuntimeError, match="simulated"):
+        fixed.forward(ids[20:23])
+    second.forward = original
+    assert fixed.cache_len == 20
+    assert [int(layer.cumulative_length) for layer in fixed._cache.layers] == [20, 20]
+    torch.testing.assert_close(fixed.forward(ids[20:23]).logits, ref.forward(ids[20:23]).logits, rtol=0, atol=1e-12)
 
 
 def test_eager_passes_equal_the_position_indexed_cache_through_rollbacks_requests_and_growth(small):
@@ -114,9 +146,47 @@ def test_compiled_with_static_shapes_one_graph_per_width_for_every_length_and_re
         t.forward(ids[:7], logits=False)
     torch.testing.assert_close(comp.forward(ids[7:8]).logits, eager.forward(ids[7:8]).logits, rtol=0, atol=1e-5)
     assert graphs() == before
-    comp.reserve(100)  # a longer request: capacity 128
-    comp.forward(ids[8:9])
+    comp.reserve(100)  # a longer request: capacity 128, its graphs compiled when first run, then as exact
+    torch.testing.assert_close(comp.forward(ids[8:9]).logits, eager.forward(ids[8:9]).logits, rtol=0, atol=1e-5)
     assert "1 rows at 128 positions" in comp.compiled.compile_s and graphs() == before + 1
+    for t in (eager, comp):
+        t.forward(ids[9:9 + 53], logits=False)  # eager prefill to 62 positions
+    torch.testing.assert_close(comp.forward(ids[62:64]).logits, eager.forward(ids[62:64]).logits, rtol=0, atol=1e-5)
+
+
+def test_a_padded_pass_that_would_not_fit_the_capacity_runs_eager(small):
+    """A 3-row pass at 61 positions fits a 64-position capacity, but its graph's padding row would not:
+    it runs eager (no growth, no write past the capacity) and gives eager's logits."""
+    ids = torch.arange(1, 70)
+    eager, comp = Target(make_model(70, seed=5)), Target(make_model(70, seed=5), compile="on", fixed_cache=True)
+    widths, graph = [], comp.compiled.fn
+    comp.compiled.fn = lambda **kw: widths.append(kw["input_ids"].shape[1]) or graph(**kw)
+    for t in (eager, comp):
+        t.forward(ids[:61], logits=False)
+    torch.testing.assert_close(comp.forward(ids[61:64]).logits, eager.forward(ids[61:64]).logits, rtol=0, atol=1e-5)
+    assert widths == [] and comp.cache_len == 64 and dc.fixed_cache_capacity(comp._cache) == 64
+
+
+def test_auto_where_eager_wins_goes_back_to_the_position_indexed_cache(small, monkeypatch, tmp_path):
+    """Under `--compile auto` on CUDA (here: the rule patched to say yes on a CPU) a compiled one-row pass
+    measured slower is dropped, and with it the fixed capacity: eager passes attending over a whole
+    capacity would only cost more. The decision is cached apart from the position-indexed target's."""
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr(C, "wants_fixed_cache", lambda mode, device_type, requested=None: requested is not False)
+    torch._dynamo.reset()
+    target = Target(make_model(70, seed=6), compile="auto")
+    d = target.compiled.decision
+    assert d["origin"] == "measured" and target.fixed_cache == d["keep"]
+    assert target.runtime()["cache"].startswith("fixed capacity" if d["keep"] else "position-indexed")
+    plain = Target(make_model(70, seed=6), compile="off", fixed_cache=False)
+    C.decision_path(target).write_text(__import__("json").dumps({**d, "keep": False}))
+    again = Target(make_model(70, seed=6), compile="auto")
+    assert again.compiled.decision["origin"] == "cache" and not again.fixed_cache
+    assert again.runtime()["cache"] == "position-indexed" and again.compiled.describe().startswith("eager")
+    ids = torch.arange(1, 30)
+    for t in (plain, again):
+        t.forward(ids[:20], logits=False)
+    torch.testing.assert_close(again.forward(ids[20:22]).logits, plain.forward(ids[20:22]).logits, rtol=0, atol=0)
 
 
 def test_engine_output_with_a_fixed_cache_is_the_eager_targets_own(small):

@@ -182,10 +182,11 @@ def set_fixed_length(cache: StaticCache, length: int) -> None:
 
 
 def _set_lengths(cache: StaticCache, length: int) -> None:
-    for layer in cache.layers:
-        assert isinstance(layer, StaticLayer)
-        if layer.is_initialized:
-            layer.cumulative_length.fill_(int(length))
+    assert all(isinstance(layer, StaticLayer) for layer in cache.layers)
+    lengths = [layer.cumulative_length for layer in cache.layers if layer.is_initialized]
+    if lengths:  # two fused kernels for all layers (on CUDA, not one launch per layer)
+        torch._foreach_zero_(lengths)
+        torch._foreach_add_(lengths, int(length))
 
 
 def copy_fixed_cache(source: StaticCache, target: StaticCache, length: int) -> None:

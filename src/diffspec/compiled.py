@@ -37,8 +37,13 @@ in one launch. A graph needs fixed shapes and fixed addresses, which a cache who
 not give; so on CUDA, compiled passes run over a fixed-capacity cache (cache.new_fixed_cache:
 transformers' StaticCache, rolled back by setting its length) with static shapes, under inductor's
 `reduce-overhead` (CUDA graph trees): one graph per width and capacity (capacities are powers of two
-from 2048, so a process records few), recorded at start under `on`. Outputs of a graph are overwritten
-by its next replay: Target.forward returns copies. On a CPU the same fixed-capacity passes measured
+from 2048, never shrinking, so a process records few), recorded at start under `on` (each width run
+three times: CUDA graph trees warm up, then record; their trees are per thread, so `serve`, whose
+engine runs on its own thread, records them once more there on first use: no compile). A request
+longer than the capacity moves to the next power of two, whose widths compile when first run (reported
+as "N rows at C positions"). Outputs of a graph are overwritten by its next replay: Target.forward
+returns copies. Under `auto`, where the compiled one-row pass is not kept, the target goes back to the
+position-indexed cache (eager passes over a whole capacity would only cost more). On a CPU the same fixed-capacity passes measured
 no faster than the symbolic-length ones at a 512-position capacity, and 1.9x slower at 2048 (attention
 over the whole capacity; `benchmarks/results/issue19_engine/fixed_vs_dynamic_avx512.txt`,
 `pass_latency_cpu_avx512.json`), so a CPU keeps the position-indexed cache (`Target(fixed_cache=True)`
@@ -85,6 +90,16 @@ PassShape = Tuple[int, bool]
 def bucket(rows: int) -> Optional[int]:
     """The compiled width that holds a pass of `rows` rows, or None past the widest."""
     return next((width for width in WIDTH_BUCKETS if width >= rows), None)
+
+
+#: fixed-capacity caches are powers of two from cache.FIXED_CAPACITY_MIN: graphs allowed per width
+FIXED_CAPACITIES = 8
+
+
+def wants_fixed_cache(mode: str, device_type: str, requested: Optional[bool] = None) -> bool:
+    """Whether a target's cache has a fixed capacity: as `requested`, else on CUDA whenever passes are
+    compiled (CUDA graphs need fixed shapes; on a CPU it measured no faster, see the module docstring)."""
+    return bool(requested) if requested is not None else (mode != "off" and device_type == "cuda")
 
 
 def check_compile(mode: str) -> None:
@@ -139,7 +154,7 @@ class CompiledPasses:
         if mode == "off":
             return cls("off", quiet=quiet, fixed_shapes=fixed_shapes)
         check_compilable(model.config)
-        allow_graphs(4 * len(WIDTH_BUCKETS))
+        allow_graphs(len(WIDTH_BUCKETS) * (FIXED_CAPACITIES + 1) if fixed_shapes else 4 * len(WIDTH_BUCKETS))
         install_output_hooks(model)
         on_cuda = next(model.parameters()).device.type == "cuda"
         cuda_graphs = fixed_shapes and on_cuda
@@ -181,7 +196,7 @@ class CompiledPasses:
     def describe(self) -> str:
         if self.fn is None:
             return "eager" + (" (fixed-capacity cache)" if self.fixed_shapes else "")
-        how = ", CUDA graphs" if self.cuda_graphs else (", static shapes" if self.fixed_shapes else "")
+        how = "; CUDA graphs" if self.cuda_graphs else ("; static shapes" if self.fixed_shapes else "")
         if self.shapes is None:
             widths = ", ".join(map(str, WIDTH_BUCKETS))
             return f"compiled (passes of up to {WIDTH_BUCKETS[-1]} rows, padded to {widths}{how})"
@@ -212,9 +227,11 @@ def compile_widths(target, context: int = 32) -> None:
     target.reset()
     target.reserve(context + widest)
     target.forward(ids[:context], logits=False)
+    # CUDA graph trees warm a graph up on its first run and record it on the next: run each width three times
     for width in WIDTH_BUCKETS:
-        target.forward(ids[context:context + width])  # Target.forward records the compile time
-        target.truncate(context)
+        for _ in range(3 if target.compiled.cuda_graphs else 1):
+            target.forward(ids[context:context + width])  # Target.forward records the compile time
+            target.truncate(context)
     target.reset()
     target.forward_passes = 0
 
@@ -222,8 +239,9 @@ def compile_widths(target, context: int = 32) -> None:
 def decision_path(target):
     from .costs import cache_key, cost_dir, machine_key
 
+    passes = target.compiled
     key = cache_key("compile-auto", FORMAT, machine_key(target.device), str(target.dtype), target.base_fingerprint,
-                    torch.__version__, AUTO_MARGIN)
+                    torch.__version__, AUTO_MARGIN, *(("fixed", passes.cuda_graphs) if passes.fixed_shapes else ()))
     return cost_dir() / f"compile-auto-{key}.json"
 
 

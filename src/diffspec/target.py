@@ -189,6 +189,18 @@ class TargetBase:
         return tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
 
 
+def check_fixed_cache_attention(implementation: str) -> None:
+    """A fixed-capacity cache relies on the attention mask to keep the rows past its length (stale drafts,
+    zeros) out; attention kernels that take no such mask from transformers (flash-attention builds its
+    own causal mask over the whole capacity) would read them. Refused by name."""
+    from .attention import GQA_SDPA
+
+    if implementation not in ("sdpa", "eager", GQA_SDPA):
+        raise DiffspecError(f"a fixed-capacity cache (CUDA graphs under --compile) needs sdpa or eager attention; "
+                            f"this model runs '{implementation}': load it with attn_implementation='sdpa', or "
+                            f"use --compile off")
+
+
 class Target(TargetBase):
     """A transformers causal LM with a KV cache that can be rolled back. One request at a time."""
 
@@ -226,8 +238,9 @@ class Target(TargetBase):
         self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
         self.forward_passes = 0
         self._fingerprint: Optional[str] = None
-        self.fixed_cache = bool(fixed_cache) if fixed_cache is not None else \
-            (compile != "off" and self.device.type == "cuda")
+        self.fixed_cache = comp.wants_fixed_cache(compile, self.device.type, fixed_cache)
+        if self.fixed_cache and compile != "off":
+            comp.check_compilable(model.config)  # a sliding window: refused with the --compile off hint
         self._length = 0  # positions held, with a fixed-capacity cache (whose own length is a tensor)
         self._cache = new_fixed_cache(model.config, fixed_capacity(0, self.max_context)) if self.fixed_cache \
             else new_cache(model.config)
@@ -239,9 +252,15 @@ class Target(TargetBase):
             attention.install(model)  # GQA without copying the cache (attention.py)
         else:
             attention.uninstall(model)  # transformers' own, whatever ran this model before
+        if self.fixed_cache:
+            check_fixed_cache_attention(model.config._attn_implementation)
         self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet, fixed_shapes=self.fixed_cache)
         if compile == "auto":
             comp.choose_one_row(self)
+            if self.fixed_cache and fixed_cache is None and not self.compiled.one_row:
+                # eager won: eager passes attending over a whole fixed capacity would only cost more
+                self.fixed_cache = self.compiled.fixed_shapes = self.compiled.cuda_graphs = False
+                self._cache = new_cache(model.config)
         elif compile == "on":
             comp.compile_widths(self)
 
@@ -312,19 +331,27 @@ class Target(TargetBase):
             width = None  # the padding rows would not fit the model's context
         if width is not None and self.fixed_cache and self.cache_len + width > fixed_cache_capacity(self._cache):
             width = None  # nor the cache's capacity
-        started = time.perf_counter()
-        if width is None:
-            out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache, use_cache=True,
-                             output_hidden_states=bool(hidden_layers), logits_to_keep=0 if logits else 1)
-            self._length += n if self.fixed_cache else 0
-        else:
-            out = self._compiled_pass(tokens.reshape(n).to(self.device), width)
-            self.compiled.timed_first((width, True), time.perf_counter() - started,
-                                      fixed_cache_capacity(self._cache) if self.fixed_cache else None)
+        started, before = time.perf_counter(), self.cache_len
+        try:
+            if width is None:
+                out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
+                                 use_cache=True, output_hidden_states=bool(hidden_layers),
+                                 logits_to_keep=0 if logits else 1)
+                self._length += n if self.fixed_cache else 0
+            else:
+                out = self._compiled_pass(tokens.reshape(n).to(self.device), width)
+                self.compiled.timed_first((width, True), time.perf_counter() - started,
+                                          fixed_cache_capacity(self._cache) if self.fixed_cache else None)
+        except BaseException:
+            if self.fixed_cache:  # the layers that ran before the failure counted the pass's rows: undo
+                set_fixed_length(self._cache, before)
+                self._length = before
+            raise
         self.forward_passes += 1
         hidden = None
         if hidden_layers:
-            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
+            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]. torch.cat
+            # copies, which a CUDA graph's outputs need (its next replay overwrites them): keep it a copy
             hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
         rows = out.logits[0, :n]
         if width is not None and self.fixed_cache:
