@@ -247,12 +247,9 @@ def anchor_positions(prompt_len: int, length: int, block_size: int, per_sequence
 
 def leading_matches(drafted: Sequence[int], truth: Sequence[int]) -> int:
     """How many leading drafted tokens equal the truth (what greedy verification accepts)."""
-    n = 0
-    for d, t in zip(drafted, truth):
-        if int(d) != int(t):
-            break
-        n += 1
-    return n
+    from .cache import common_prefix_length
+
+    return common_prefix_length([int(d) for d in drafted], [int(t) for t in truth])
 
 
 @torch.inference_mode()
