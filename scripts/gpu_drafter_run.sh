@@ -92,14 +92,6 @@ pack)  # the drafter weights and records, ready to come back (run by start after
 collect)
   bash $0 pack; cp $G/pack/results.tgz $G/pack/cond.* $OUT/ 2>/dev/null; ls -la $OUT ;;
 dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
-  set -e
-  [ "$G" != /root/g ] || { echo "dry-run: set G to a scratch folder (e.g. G=/tmp/g)" >&2; exit 2; }
-  rm -rf "$G" && mkdir -p "$G/out"
-  gpu_stash 0 > /dev/null; gpu_stash 1 > /dev/null
-  bash $0 start
-  bash $0 wait ${DRY_WAIT_S:-3600}
-  grep -q 'all done' $G/run.log || { echo "dry-run: FAILED (see $G/*.log)" >&2; exit 1; }
-  OUT=$G/out bash $0 collect
-  echo "dry-run: all done; records in $G/out" ;;
+  gpu_dry_run $0 ;;
 *) echo "usage: $0 prepare|stash N|start|wait [S]|pack|collect|dry-run" >&2; exit 2 ;;
 esac

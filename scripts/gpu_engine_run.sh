@@ -63,15 +63,6 @@ wait)
 collect)
   cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
 dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
-  set -e
-  [ "$G" != /root/g ] || { echo "dry-run: set G to a scratch folder (e.g. G=/tmp/ge)" >&2; exit 2; }
-  rm -rf "$G" && mkdir -p "$G/out"
-  gpu_stash 0 > /dev/null; gpu_stash 1 > /dev/null
-  bash $0 start
-  bash $0 wait ${DRY_WAIT_S:-3600}
-  grep -q 'all done' $G/run.log || { echo "dry-run: FAILED (see $G/out/*.txt)" >&2; exit 1; }
-  grep -q FAILED $G/run.log && { echo "dry-run: a step FAILED (see $G/run.log)" >&2; exit 1; }
-  mkdir -p $G/collected && OUT=$G/collected bash $0 collect
-  echo "dry-run: all done; records in $G/out" ;;
+  gpu_dry_run $0 ;;
 *) echo "usage: $0 prepare|stash N|start|wait [S]|collect|dry-run" >&2; exit 2 ;;
 esac

@@ -19,6 +19,21 @@ gpu_prepare() {
   done
 }
 
+# Here, after prepare: the steps of the `device` calls, on this machine ($DEVICE, $G): start, wait, then
+# collect into $G/collected. $1: the calling script. Fails when a step wrote FAILED or 'all done' never came.
+gpu_dry_run() {
+  set -e
+  [ "$G" != /root/g ] || { echo "dry-run: set G to a scratch folder (e.g. G=/tmp/g)" >&2; exit 2; }
+  rm -rf "$G" && mkdir -p "$G/out" "$G/collected"
+  gpu_stash 0 > /dev/null; gpu_stash 1 > /dev/null
+  bash "$1" start
+  bash "$1" wait ${DRY_WAIT_S:-3600}
+  grep -q 'all done' $G/run.log || { echo "dry-run: FAILED (see $G/run.log and the logs beside it)" >&2; exit 1; }
+  ! grep -q FAILED $G/run.log || { echo "dry-run: a step FAILED (see $G/run.log)" >&2; exit 1; }
+  OUT=$G/collected bash "$1" collect
+  echo "dry-run: all done; records in $G/out, collected in $G/collected"
+}
+
 # There, one call per part: keep part N (carried as .gpu/partN) on the machine.
 gpu_stash() {
   mkdir -p $G && cp .gpu/part$1/gguf.part0$1 $G/ && ls -la $G

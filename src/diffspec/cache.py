@@ -154,6 +154,12 @@ def fixed_capacity(positions: int, max_context: int) -> int:
     return max(1, min(capacity, int(max_context)))
 
 
+def other_than_full_attention(config) -> list:
+    """The layer types of a model other than full attention (sorted; empty when every layer is full attention)."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return sorted({t for t in layer_types if t != "full_attention"})
+
+
 def new_fixed_cache(config, capacity: int) -> StaticCache:
     """A fixed-capacity cache (transformers' StaticCache) for passes of fixed shapes, which CUDA graphs
     need: every pass writes its rows in place at the layer's length (a tensor, read inside the graph)
@@ -161,8 +167,7 @@ def new_fixed_cache(config, capacity: int) -> StaticCache:
     after a rollback, are never read. Rolling back is setting the length (`set_fixed_length`).
     Full-attention layers only (a sliding window's ring buffer cannot be rolled back this way)."""
     check_rollback(config)
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    other = other_than_full_attention(config)
     if other:
         raise DiffspecError(f"a fixed-capacity cache supports full-attention layers only; this model has "
                             f"{', '.join(other)} layers")

@@ -111,10 +111,9 @@ def check_compilable(config, name: str = "this model") -> None:
     """Compiled passes are built and tested for caches whose every layer is full attention (our
     position-indexed layers); a sliding-window layer's past recording and cropping were not traced
     and checked, so such models are refused by name rather than run untested."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from .cache import other_than_full_attention
 
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    other = other_than_full_attention(config)
     if other:
         raise DiffspecError(f"--compile supports models whose attention layers are all full attention; {name} has "
                             f"{', '.join(other)} layers (e.g. Gemma 3's sliding window): use --compile off")
