@@ -413,9 +413,7 @@ def train_drafter(req: TrainRequest) -> dict:
     world = join_world(req.device)
     try:
         result = _train(req, world)
-        # every rank leaves together: rank 1 tearing its gloo group down while rank 0 still wrote the
-        # checkpoint aborted once in the suite ("terminate called without an active exception")
-        barrier(world)
+        barrier(world)  # every rank leaves together (rank 0 may still be writing the drafter)
         return result
     finally:
         leave_world(world)
