@@ -348,7 +348,7 @@ def test_leaving_the_world_frees_ddp_first(tmp_path):
     """A DDP module in a reference cycle outlives the function that made it until the collector runs, and
     holds the process group: left to the interpreter's finalisation, gloo's threads were torn down there
     and a rank aborted at exit (SIGABRT, 9 of 40 two-rank runs on a loaded machine). A first DDP in a
-    process lands in such a cycle (its __init__ frame is kept by what it imports lazily); here the cycle
+    process lands in such a cycle (seen: its __init__ frame stayed referenced until a collection); here the cycle
     is made by hand, so the test does not depend on import order. leave_world collects before it
     destroys the group."""
     import gc

@@ -81,12 +81,13 @@ def wrap(module: torch.nn.Module, world: World) -> torch.nn.Module:
 def leave_world(world: World) -> None:
     """Tear the process group down, after every object that holds it is gone.
 
-    DistributedDataParallel sits in a reference cycle, so it outlives the function that made it until the
-    cycle collector runs, and it keeps its process group alive: `destroy_process_group` then only drops
-    the registry's reference, and gloo's worker threads are torn down during interpreter finalisation,
-    where a rank aborted ("terminate called without an active exception", SIGABRT) in 9 of 40
-    two-rank runs on a loaded 2-core machine. Collecting first destroys the group here, while Python
-    is whole: 0 of 40 (benchmarks/results/issue16_training/gloo_teardown/).
+    DistributedDataParallel can sit in a reference cycle (a first one in a process was seen to), so
+    it outlives the function that made it until the cycle collector runs, and it keeps its process
+    group alive: `destroy_process_group` then only drops the registry's reference, and gloo's worker
+    threads are torn down during interpreter finalisation, where a rank aborted ("terminate called
+    without an active exception", SIGABRT) in 9 of 40 two-rank runs on a loaded 2-core machine.
+    Collecting first destroys the group here, while Python is whole: 0 of 40
+    (benchmarks/results/issue16_training/gloo_teardown/).
     """
     if world.distributed and dist.is_initialized():
         gc.collect()
