@@ -132,6 +132,51 @@ def test_off_path_slots_are_not_labels(objective):
         int(AnchoredLoss(model, objective, 3.0, greedy_path_only=False)(*args[:5], only_greedy, *args[6:], *extra).slots)
 
 
+def test_the_head_runs_on_supervised_rows_only_and_the_gradients_are_the_serving_pass_gradients():
+    """Off-path slots carry no weight, so the step applies the LM head (its largest matmul) to the
+    supervised rows only; the gradients equal those of the serving pass's loss over the kept slots."""
+    torch.manual_seed(0)
+    target = make_model(50, seed=3, layers=4, hidden=32).double()
+    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=2, block_size=6)
+    model = ConditionedDraftModel(cfg).double()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(5)
+    seqs = [(greedy_with_detours(target, torch.randint(1, 50, (p,), generator=g), n, detours, 50, g), p)
+            for n, p, detours in ((30, 4, {9, 16, 17}), (22, 3, {12}), (20, 5, {8, 13}))]
+    batch = pad_batch(seqs, [0, 1, 2], pad_id=0)
+    hidden, target_next = target_features(target, batch, cfg.target_layer_ids)
+    anchors, valid = sample_anchors(batch, max_anchors=40, seed=0, epoch=0)
+
+    head_rows = []
+
+    class HeadRows(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and args[1].shape[-1] == 50:  # [rows, h] @ [h, V]
+                head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+            return out
+
+    with HeadRows():
+        parts = AnchoredLoss(model, "target", 3.0)(batch.tokens, batch.lengths, hidden, target_next, anchors, valid,
+                                                   embed.weight, head_w)
+    in_blocks = int(valid.sum()) * (cfg.block_size - 1)
+    assert head_rows == [int(parts.slots)] and int(parts.slots) < in_blocks * 0.8   # the detours cost rows
+    (parts.weighted_ce / parts.weight).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_sum, ref_w = 0.0, 0.0
+    for n, (ids, p) in enumerate(seqs):
+        T = ids.shape[0]
+        s, w = reference_sequence_parts(model, ids, hidden[n, :T], target_next[n, :T], p,
+                                        anchors[n][valid[n]].tolist(), embed, head_w, 3.0, greedy_path_only=True)
+        ref_sum, ref_w = ref_sum + s, ref_w + w
+    (ref_sum / ref_w).backward()
+    for (name, p), mine in zip(model.named_parameters(), got):
+        assert torch.allclose(mine, p.grad, atol=1e-9, rtol=1e-7), name
+
+
 def test_padding_never_changes_a_sequence_loss():
     """A sequence alone and the same sequence beside a longer one give the same sums."""
     target = make_model(50, seed=3, layers=4, hidden=32)

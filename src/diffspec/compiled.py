@@ -236,7 +236,7 @@ def compile_widths(target, context: int = 32) -> None:
 
 
 def decision_path(target):
-    from .costs import cache_key, cost_dir, machine_key
+    from .machine_keys import cache_key, cost_dir, machine_key
 
     passes = target.compiled
     key = cache_key("compile-auto", FORMAT, machine_key(target.device), str(target.dtype), target.base_fingerprint,

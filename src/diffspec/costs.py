@@ -11,20 +11,18 @@ fingerprint of the model's config and weights: another machine or model never re
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .devices import host_info, synchronize
+from .devices import synchronize
 from .errors import DiffspecError
+from .machine_keys import cache_key, cost_dir, machine_key, model_fingerprint  # noqa: F401 (costs.X for callers)
 from .output import write_atomically
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -132,51 +130,7 @@ def non_decreasing(values: Sequence[float]) -> list:
     return out
 
 
-# --- keys and the cache folder -----------------------------------------------------------------
-def cost_dir() -> Path:
-    """$DIFFSPEC_COST_CACHE, else $DIFFSPEC_CACHE/costs (~/.cache/diffspec/costs)."""
-    from .models import cache_root
-
-    return Path(os.environ.get("DIFFSPEC_COST_CACHE") or cache_root() / "costs")
-
-
-def machine_key(device) -> dict:
-    """What makes a timing belong to this machine."""
-    info = _host()
-    device = torch.device(device)
-    accel = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return {"cpu": info["cpu"], "cpu_flags": info["cpu_flags"], "cpus": info["cpus"], "threads": info["threads"],
-            "torch": info["torch"], "device": device.type, "accelerator": accel}
-
-
-@functools.lru_cache(maxsize=1)
-def _host_cached(threads: int) -> dict:
-    return host_info()
-
-
-def _host() -> dict:
-    return _host_cached(torch.get_num_threads())
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Config + parameter count + a sample of the weights: two models share it only if they compute alike."""
-    h = hashlib.sha256()
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        h.update(json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg), sort_keys=True, default=str).encode())
-    n = 0
-    for name, p in model.named_parameters():
-        n += p.numel()
-        h.update(name.encode())
-        h.update(str((tuple(p.shape), str(p.dtype))).encode())
-        flat = p.detach().reshape(-1)
-        h.update(flat[: 16].float().cpu().numpy().tobytes())
-    h.update(str(n).encode())
-    return h.hexdigest()[:16]
-
-
-def cache_key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+# --- keys and the cache folder: machine_keys.py ------------------------------------------------
 
 
 def _read(path: Path) -> Optional[dict]:
@@ -293,12 +247,12 @@ def verify_path(target) -> Path:
     return cost_dir() / f"verify-{verify_key(target)}.json"
 
 
-def drafter_calibration(target, drafter, recalibrate: bool = False, progress: bool = False) -> tuple:
-    """A drafter's calibration record (policies/auto.py `calibrate_drafter`) from the cache, or measured
-    now (announced on stderr with `progress`) and cached. The drafter must be attached.
+def drafter_calibration(target, drafter, measure: Callable[[], dict], recalibrate: bool = False,
+                        progress: bool = False) -> tuple:
+    """A drafter's calibration record from the cache, or measured now by `measure()` (policies/auto.py
+    `calibrate_drafter`, which runs an engine: passed in, so that timing costs never imports the engine
+    that reads them; announced on stderr with `progress`) and cached. The drafter must be attached.
     -> (record, 'cache' | 'measured', path)."""
-    from .policies.auto import calibrate_drafter
-
     key = drafter_key(target, drafter)  # taken once: calibrating re-attaches the drafter
     path = cost_dir() / f"drafter-{key}.json"
     if not recalibrate:
@@ -310,6 +264,6 @@ def drafter_calibration(target, drafter, recalibrate: bool = False, progress: bo
 
         print(f"diffspec: timing drafter {drafter.name} on this machine (a short run at fixed draft lengths; "
               f"once, then cached)", file=sys.stderr)
-    record = {"format": FORMAT, "key": key, "drafter": drafter.describe(), **calibrate_drafter(target, drafter)}
+    record = {"format": FORMAT, "key": key, "drafter": drafter.describe(), **measure()}
     _write(path, record)
     return record, "measured", path

@@ -60,7 +60,7 @@ class SpeculativeEngine:
         self.target = target
         self.drafter = drafter
         self.policy = policy or FailFastPolicy()
-        self.policy.attach(target, drafter)
+        self.policy.attach(target, drafter, engine_type=type(self))
         cap = drafter.max_tokens_per_round if drafter is not None else None
         # parameters that a drafter's per-round cap makes moot: said once, in every result's stats
         self.notes: tuple = self.policy.cap_notes(cap) if cap is not None else ()

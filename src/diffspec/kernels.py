@@ -167,7 +167,7 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
 
 
 def plan_path(model: torch.nn.Module):
-    from .costs import cache_key, cost_dir, machine_key
+    from .machine_keys import cache_key, cost_dir, machine_key
 
     p = next(model.parameters())
     shapes = sorted((list(s), len(m)) for s, m in linear_groups(model).items())

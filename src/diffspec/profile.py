@@ -163,9 +163,12 @@ def check_drafter_spec(spec: str) -> None:
 def profile_drafter(target, part, recalibrate: bool = False, progress: bool = False) -> DrafterProfile:
     """One drafter's calibration record: from the cache, else a calibration run (written to the cache)."""
     from .costs import drafter_calibration, fit_draft_cost
+    from .engine import SpeculativeEngine
+    from .policies import auto
 
     part.attach(target)  # before its key: attaching settles what it computes in
-    record, origin, path = drafter_calibration(target, part, recalibrate=recalibrate, progress=progress)
+    measure = (lambda: auto.calibrate_drafter(target, part, engine_type=SpeculativeEngine))
+    record, origin, path = drafter_calibration(target, part, measure, recalibrate=recalibrate, progress=progress)
     record = {k: v for k, v in record.items() if k not in ("format", "key", "drafter")}
     cost = fit_draft_cost(record.get("costs", []))
     return DrafterProfile(name=part.name, description=part.describe(), origin=origin,

@@ -407,7 +407,7 @@ class Target(TargetBase):
     def base_fingerprint(self) -> str:
         """Equal for two targets with the same weights, matmul kernels and attention (compiled or not)."""
         if self._fingerprint is None:
-            from .costs import cache_key, model_fingerprint
+            from .machine_keys import cache_key, model_fingerprint
             self._fingerprint = model_fingerprint(self.model)
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
@@ -418,7 +418,7 @@ class Target(TargetBase):
     @property
     def fingerprint(self) -> str:
         """Equal for two targets that compute alike, at the same speed (the cost tables' key)."""
-        from .costs import cache_key
+        from .machine_keys import cache_key
         if self.fixed_cache:  # attention over the whole capacity: other costs, compiled or not (not keyed by
             return cache_key(self.base_fingerprint, self.compiled.describe(), "fixed")  # capacity: it may grow)
         if self.compiled.fn is None or self.compiled.shapes == set():

@@ -158,7 +158,7 @@ def step_time(target, context: int = STEP_CONTEXT, steps: int = 16) -> float:
 
 def backend_record_path(gguf: Path) -> Path:
     """Where `auto` keeps the step times it measured for this GGUF file on this machine."""
-    from ..costs import cache_key, cost_dir, machine_key
+    from ..machine_keys import cache_key, cost_dir, machine_key
 
     st = gguf.stat()
     key = cache_key("backend", machine_key(torch.device("cpu")), str(gguf.resolve()), st.st_size, int(st.st_mtime),

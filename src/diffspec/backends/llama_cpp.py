@@ -572,7 +572,7 @@ class LlamaCppTarget(TargetBase):
         import json
         import sys
 
-        from ..costs import cache_key, cost_dir, machine_key
+        from ..machine_keys import cache_key, cost_dir, machine_key
         from ..output import try_write_cache
 
         plan = self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS)

@@ -179,7 +179,7 @@ class CompilesPasses:
             print(f"diffspec: drafter {getattr(self, 'name', '')}: {self.compile_note}", file=sys.stderr, flush=True)
 
     def _decision_path(self):
-        from ..costs import cache_key, cost_dir, machine_key, model_fingerprint
+        from ..machine_keys import cache_key, cost_dir, machine_key, model_fingerprint
 
         module = self._compile_module()
         device = next(module.parameters()).device

@@ -87,7 +87,7 @@ class AutoPolicy(LengthPolicy):
             self.sources[name] = _Source(self.prior_efficiency, self.probe_first)
         return self.sources[name]
 
-    def attach(self, target, drafter) -> None:
+    def attach(self, target, drafter, engine_type=None) -> None:
         from ..costs import drafter_calibration, load_or_measure_verify_costs
 
         if self.costs is None:
@@ -96,7 +96,12 @@ class AutoPolicy(LengthPolicy):
         if drafter is None or not self.calibrate:
             return
         for part in drafter.parts:
-            record, origin, _ = drafter_calibration(target, part, recalibrate=self.recalibrate, progress=self.progress)
+            if engine_type is None:
+                raise DiffspecError("the auto policy times its drafter through the engine that runs it: "
+                                    "attach(target, drafter, engine_type=...) (SpeculativeEngine passes its own class)")
+            measure = (lambda part=part: calibrate_drafter(target, part, engine_type=engine_type))
+            record, origin, _ = drafter_calibration(target, part, measure, recalibrate=self.recalibrate,
+                                                    progress=self.progress)
             self.seed(part.name, record)
             self.calibration[part.name] = origin
 
@@ -226,12 +231,12 @@ CALIBRATION_PROMPTS = (
 )
 
 
-def calibrate_drafter(target, drafter, new_tokens: int = 32, gammas: Sequence[int] = (2, 8)) -> dict:
-    """A short run of `drafter` at fixed draft lengths: its draft seconds per round (for the cost fit)
-    and the acceptance counts its confidences earned (the prior of the acceptance model)."""
+def calibrate_drafter(target, drafter, *, engine_type, new_tokens: int = 32, gammas: Sequence[int] = (2, 8)) -> dict:
+    """A short run of `drafter` at fixed draft lengths through an engine of `engine_type` (SpeculativeEngine):
+    its draft seconds per round (for the cost fit) and the acceptance counts its confidences earned (the
+    prior of the acceptance model)."""
     import torch
 
-    from ..engine import SpeculativeEngine
     from .fixed import FixedPolicy
 
     counts = AcceptanceCounts()
@@ -244,7 +249,7 @@ def calibrate_drafter(target, drafter, new_tokens: int = 32, gammas: Sequence[in
     prompts = [p[-max(1, target.max_context // 2):] for p in prompts]  # a short context still calibrates
     room = max(1, min(new_tokens, target.max_context - max(len(p) for p in prompts) - 1))
     for gamma in gammas:
-        engine = SpeculativeEngine(target, drafter, FixedPolicy(gamma=gamma), allow_inexact=True)  # timing only
+        engine = engine_type(target, drafter, FixedPolicy(gamma=gamma), allow_inexact=True)  # timing only
         engine.generate(prompts[0], max_new_tokens=min(4, room))  # warm-up: first calls pay one-off costs
         for ids in prompts:
             result = engine.generate(ids, max_new_tokens=room)

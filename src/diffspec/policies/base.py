@@ -12,7 +12,7 @@ The drafter also stops when it cannot draft more (no n-gram match, length budget
 
 Around that, the engine gives the policy the round's frame (all optional for a policy to use):
 
-    policy.attach(target, drafter)            # once, when the engine is built
+    policy.attach(target, drafter, engine_type)   # once, when the engine is built
     policy.begin_request(greedy)              # each request
     run = policy.plan_round(context_len, sources)   # each round: which drafters run; () = a plain step
     ... drafting (a combined drafter reads planned_sources() and calls select(name) per part) ...
@@ -38,8 +38,9 @@ class LengthPolicy(ABC):
     def update(self, stats: RoundStats) -> None:
         """Feedback after each round (adaptive policies override)."""
 
-    def attach(self, target, drafter) -> None:
-        """Called once by the engine (a policy that measures costs does it here)."""
+    def attach(self, target, drafter, engine_type=None) -> None:
+        """Called once by the engine, which passes its own class (a policy that measures costs does it here,
+        and may run a short engine of that class to time the drafter)."""
 
     def begin_request(self, greedy: bool) -> None:
         """A new request starts."""

@@ -168,17 +168,20 @@ class AnchoredLoss(nn.Module):
             labels = draft_index(model.draft_token_ids, head_weight.shape[0])[labels]
             ok = ok & ((labels >= 0).long().cumprod(1).bool() if self.greedy_path_only else labels >= 0)
             labels = labels.clamp(min=0)
-        logits = hidden[:, 1:] @ model.head_weight(head_weight).to(hidden.dtype).T     # [M, B-1, V]
+        w = slot_weights(B, self.slot_decay, dev) * ok                                  # [M, B-1]
+        # The head (the largest matmul of a step) runs on the supervised rows only: on corpus text about
+        # one slot in five is on the target's greedy path, and a row outside `ok` has weight 0 anyway.
+        m, k = ok.nonzero(as_tuple=True)
+        logits = hidden[:, 1:][m, k] @ model.head_weight(head_weight).to(hidden.dtype).T   # [S, V]
         wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         if self.objective == "distill":  # -sum_j p_j log q(j) over the target's top K at the slot's position
             if soft_probs is None or soft_index is None:
                 raise ValueError("objective 'distill' needs the target's soft labels (soft_probs, soft_index)")
-            rows = (seq[:, None], flat - 1)
+            rows = (seq[m], flat[m, k] - 1)
             logq = torch.log_softmax(wide, -1).gather(-1, soft_index[rows])
             ce = -(soft_probs[rows].to(logq.dtype) * logq).sum(-1)
         else:
-            ce = F.cross_entropy(wide.flatten(0, 1), labels.flatten(), reduction="none").view_as(pos)
-        w = slot_weights(B, self.slot_decay, dev).to(ce.dtype) * ok
-        first = ok[:, 0]
-        correct = (logits[:, 0].argmax(-1) == labels[:, 0]) & first
-        return LossParts((ce * w).sum(), w.sum(), ok.sum(), correct.sum(), first.sum())
+            ce = F.cross_entropy(wide, labels[m, k], reduction="none")
+        w_sel = w[m, k].to(ce.dtype)
+        correct = ((logits.argmax(-1) == labels[m, k]) & (k == 0)).sum()
+        return LossParts((ce * w_sel).sum(), w_sel.sum(), ok.sum(), correct, ok[:, 0].sum())
