@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import types
@@ -22,19 +21,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 OLD_COMMIT = "27fb4fa"
 
 
 def old_module():
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:src/diffspec/training/conditioned.py"],
-                         capture_output=True, text=True, check=True).stdout
-    src = src.replace("from ..drafters.conditioned import", "from diffspec.drafters.conditioned import")
-    src = src.replace("from .features import SequenceFeatures", "SequenceFeatures = object")
-    mod = types.ModuleType("old_conditioned")
-    sys.modules["old_conditioned"] = mod  # dataclasses look their module up
-    exec(compile(src, "old_conditioned.py", "exec"), mod.__dict__)
-    return mod
+    from old_code import module_at
+
+    return module_at(OLD_COMMIT, "src/diffspec/training/conditioned.py",
+                     replace=[("from .features import SequenceFeatures", "SequenceFeatures = object")])
 
 
 def main() -> int:

@@ -87,12 +87,9 @@ def greedy_with_detours(target, prompt, length, detours, vocab, generator):
     return ids
 
 
-@pytest.mark.parametrize("objective", ["target", "distill"])
-def test_off_path_slots_are_not_labels(objective):
-    """On text that follows the target's greedy path with a few detours, the batched loss keeps slot k
-    exactly where the data's tokens a+1..a+k-1 are the target's own choices (checked one by one by the
-    serving-pass reference), drops the rest, and keeps every slot of a detour-free greedy answer."""
-    from diffspec.training.batches import soft_labels
+def detour_case(third_detours: set) -> tuple:
+    """A fp64 drafter (non-trivial weights) over three greedy answers of a tiny target with detours at the
+    given positions (the third's as asked) -> (target, cfg, model, embed, head_w, seqs, batch)."""
     torch.manual_seed(0)
     target = make_model(50, seed=3, layers=4, hidden=32).double()
     cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=2, block_size=6)
@@ -102,8 +99,17 @@ def test_off_path_slots_are_not_labels(objective):
     embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
     g = torch.Generator().manual_seed(5)
     seqs = [(greedy_with_detours(target, torch.randint(1, 50, (p,), generator=g), n, detours, 50, g), p)
-            for n, p, detours in ((30, 4, {9, 16, 17}), (22, 3, {12}), (20, 5, set()))]
-    batch = pad_batch(seqs, [0, 1, 2], pad_id=0)
+            for n, p, detours in ((30, 4, {9, 16, 17}), (22, 3, {12}), (20, 5, third_detours))]
+    return target, cfg, model, embed, head_w, seqs, pad_batch(seqs, [0, 1, 2], pad_id=0)
+
+
+@pytest.mark.parametrize("objective", ["target", "distill"])
+def test_off_path_slots_are_not_labels(objective):
+    """On text that follows the target's greedy path with a few detours, the batched loss keeps slot k
+    exactly where the data's tokens a+1..a+k-1 are the target's own choices (checked one by one by the
+    serving-pass reference), drops the rest, and keeps every slot of a detour-free greedy answer."""
+    from diffspec.training.batches import soft_labels
+    target, cfg, model, embed, head_w, seqs, batch = detour_case(third_detours=set())
     hidden, target_next, (probs, index) = target_features(target, batch, cfg.target_layer_ids, top_k=50)
     anchors, valid = sample_anchors(batch, max_anchors=40, seed=0, epoch=0)  # every response anchor
     args = (batch.tokens, batch.lengths, hidden, target_next, anchors, valid, embed.weight, head_w)
@@ -135,17 +141,7 @@ def test_off_path_slots_are_not_labels(objective):
 def test_the_head_runs_on_supervised_rows_only_and_the_gradients_are_the_serving_pass_gradients():
     """Off-path slots carry no weight, so the step applies the LM head (its largest matmul) to the
     supervised rows only; the gradients equal those of the serving pass's loss over the kept slots."""
-    torch.manual_seed(0)
-    target = make_model(50, seed=3, layers=4, hidden=32).double()
-    cfg = ConditionedConfig.for_target(target.config, mask_token_id=0, num_hidden_layers=2, block_size=6)
-    model = ConditionedDraftModel(cfg).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    embed, head_w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
-    g = torch.Generator().manual_seed(5)
-    seqs = [(greedy_with_detours(target, torch.randint(1, 50, (p,), generator=g), n, detours, 50, g), p)
-            for n, p, detours in ((30, 4, {9, 16, 17}), (22, 3, {12}), (20, 5, {8, 13}))]
-    batch = pad_batch(seqs, [0, 1, 2], pad_id=0)
+    target, cfg, model, embed, head_w, seqs, batch = detour_case(third_detours={8, 13})
     hidden, target_next = target_features(target, batch, cfg.target_layer_ids)
     anchors, valid = sample_anchors(batch, max_anchors=40, seed=0, epoch=0)
 

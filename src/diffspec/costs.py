@@ -22,7 +22,7 @@ import torch
 
 from .devices import synchronize
 from .errors import DiffspecError
-from .machine_keys import cache_key, cost_dir, machine_key, model_fingerprint  # noqa: F401 (costs.X for callers)
+from .machine_keys import cache_key, cost_dir, machine_key, model_fingerprint
 from .output import write_atomically
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -128,9 +128,6 @@ def non_decreasing(values: Sequence[float]) -> list:
     for s, n in blocks:
         out += [s / n] * n
     return out
-
-
-# --- keys and the cache folder: machine_keys.py ------------------------------------------------
 
 
 def _read(path: Path) -> Optional[dict]:

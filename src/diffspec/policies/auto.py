@@ -95,10 +95,10 @@ class AutoPolicy(LengthPolicy):
         self._curves = {}
         if drafter is None or not self.calibrate:
             return
+        if engine_type is None:
+            raise DiffspecError("the auto policy times its drafter through the engine that runs it: "
+                                "attach(target, drafter, engine_type=...) (SpeculativeEngine passes its own class)")
         for part in drafter.parts:
-            if engine_type is None:
-                raise DiffspecError("the auto policy times its drafter through the engine that runs it: "
-                                    "attach(target, drafter, engine_type=...) (SpeculativeEngine passes its own class)")
             measure = (lambda part=part: calibrate_drafter(target, part, engine_type=engine_type))
             record, origin, _ = drafter_calibration(target, part, measure, recalibrate=self.recalibrate,
                                                     progress=self.progress)

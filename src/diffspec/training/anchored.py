@@ -168,7 +168,6 @@ class AnchoredLoss(nn.Module):
             labels = draft_index(model.draft_token_ids, head_weight.shape[0])[labels]
             ok = ok & ((labels >= 0).long().cumprod(1).bool() if self.greedy_path_only else labels >= 0)
             labels = labels.clamp(min=0)
-        w = slot_weights(B, self.slot_decay, dev) * ok                                  # [M, B-1]
         # The head (the largest matmul of a step) runs on the supervised rows only: on corpus text about
         # one slot in five is on the target's greedy path, and a row outside `ok` has weight 0 anyway.
         m, k = ok.nonzero(as_tuple=True)
@@ -182,6 +181,6 @@ class AnchoredLoss(nn.Module):
             ce = -(soft_probs[rows].to(logq.dtype) * logq).sum(-1)
         else:
             ce = F.cross_entropy(wide, labels[m, k], reduction="none")
-        w_sel = w[m, k].to(ce.dtype)
+        w = slot_weights(B, self.slot_decay, dev)[k].to(ce.dtype)                    # each kept row's slot weight
         correct = ((logits.argmax(-1) == labels[m, k]) & (k == 0)).sum()
-        return LossParts((ce * w_sel).sum(), w_sel.sum(), ok.sum(), correct, ok[:, 0].sum())
+        return LossParts((ce * w).sum(), w.sum(), ok.sum(), correct, ok[:, 0].sum())

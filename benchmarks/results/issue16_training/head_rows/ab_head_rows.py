@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
-import types
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,14 +36,10 @@ REPO = Path(diffspec.__file__).resolve().parents[2]
 
 
 def old_loss_class():
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{OLD}:src/diffspec/training/anchored.py"],
-                         capture_output=True, text=True, check=True).stdout
-    src = src.replace("from ..drafters.conditioned import", "from diffspec.drafters.conditioned import")
-    src = src.replace("from .batches import", "from diffspec.training.batches import")
-    mod = types.ModuleType("anchored_old")
-    sys.modules["anchored_old"] = mod
-    exec(compile(src, "anchored_old.py", "exec"), mod.__dict__)
-    return mod.AnchoredLoss
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from old_code import module_at
+
+    return module_at(OLD, "src/diffspec/training/anchored.py").AnchoredLoss
 
 
 def main() -> int:
@@ -56,10 +51,8 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=512)
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     target = Target.load(None, device="cpu", quiet=True)
     loaded = load_drafter(Path(diffspec.__file__).parent / "weights/smollm2-135m-instruct/conditioned")
-    from dataclasses import replace
     cfg = replace(loaded.model.cfg, block_size=16)
     model = ConditionedDraftModel(cfg)
     model.load_state_dict(loaded.model.state_dict())
