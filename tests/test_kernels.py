@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from diffspec import kernels as K
+from diffspec.greedy_head import bf16_matmul_native
 from diffspec.cache import PositionalLayer, new_cache, reserve_cache, truncate_cache
 from diffspec.engine import SpeculativeEngine
 from diffspec.errors import DiffspecError
@@ -76,7 +77,10 @@ def test_measured_plan_covers_every_shape_and_is_cached(monkeypatch, tmp_path):
     model = make_model(70, dtype=torch.float32, hidden=64)
     plan = K.cached_plan(model, quiet=True)
     shapes = set(K.linear_groups(model))
-    assert set(plan.mm_rows) == shapes and set(plan.timings_us) == {f"{n}x{k}" for n, k in shapes}
+    assert set(plan.mm_rows) == shapes and set(plan.timings_us) == {f"{n}x{k}" for n, k in shapes} | {"greedy_head"}
+    head = plan.timings_us["greedy_head"]  # [planned fp32 head, screened] per bucket, where bf16 is native
+    assert set(head) == (set(K.ROW_BUCKETS) if bf16_matmul_native() else set())
+    assert plan.head_rows == {rows for rows, (full, screened) in head.items() if screened < K.MARGIN * full}
     for shape, rows in plan.mm_rows.items():
         timed = plan.timings_us[f"{shape[0]}x{shape[1]}"]
         assert 1 in timed  # one row is timed too, and decided on its own timing

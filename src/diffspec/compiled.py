@@ -272,7 +272,7 @@ def choose_one_row(target, context: int = 64, reps: int = 7) -> None:
         if not compiled:
             passes.shapes.discard(shape)
         t0 = time.perf_counter()
-        target.forward(ids[context:context + 1])
+        target.forward(ids[context:context + 1]).greedy_tokens()
         seconds = time.perf_counter() - t0
         passes.shapes.add(shape)
         target.truncate(context)

@@ -144,7 +144,9 @@ def _write(path: Path, d: dict) -> None:
 
 # --- measuring ---------------------------------------------------------------------------------
 def verify_key(target) -> str:
-    parts = [machine_key(target.device), target.name, str(target.dtype), target.backend, target.fingerprint]
+    # "choices read": a pass is timed with its greedy choices (a screened head computes them after the pass)
+    parts = [machine_key(target.device), target.name, str(target.dtype), target.backend, target.fingerprint,
+             "choices read"]
     ks = verify_ks_for(target)
     if ks != VERIFY_KS:  # timed at more ks (bucketed compiled widths): a table timed at VERIFY_KS alone is stale
         parts.append(list(ks))
@@ -200,7 +202,7 @@ def measure_verify_costs(target, ks: Optional[Sequence[int]] = None, contexts: S
             for _ in range(reps):
                 synchronize(target.device)
                 t0 = time.perf_counter()
-                target.forward(block[: k + 1])
+                target.forward(block[: k + 1]).greedy_tokens()  # what greedy verification reads (greedy_head.py)
                 synchronize(target.device)
                 times.append(time.perf_counter() - t0)
                 target.truncate(c)

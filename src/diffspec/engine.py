@@ -36,7 +36,7 @@ from .policies import FailFastPolicy, LengthPolicy
 from .sampling import make_generator, probs_from_logits
 from .target import Target
 from .types import Draft, GenerationResult, RoundStats, SamplingParams
-from .verify import verify_greedy, verify_rejection
+from .verify import verify_greedy_choices, verify_rejection
 
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
@@ -139,7 +139,7 @@ class SpeculativeEngine:
 
             # 3. accept
             if sampling.greedy:
-                verdict = verify_greedy(draft.tokens, out.logits)
+                verdict = verify_greedy_choices(draft.tokens, out.greedy_tokens())
             else:
                 p = probs_from_logits(out.logits, sampling)
                 verdict = verify_rejection(draft.tokens, draft.probs, p, generator)

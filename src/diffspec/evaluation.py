@@ -261,7 +261,7 @@ def truth_pass(target, ids: Sequence[int], layers: Sequence[int] = ()) -> tuple:
         out = target.forward(torch.tensor(list(ids), dtype=torch.long, device=target.device), hidden_layers=tuple(layers))
     finally:
         target.reset()
-    return out.logits.argmax(-1), out.hidden_states
+    return out.greedy_tokens(), out.hidden_states
 
 
 def draft_at_anchors(drafter, cont: Continuation, truth: torch.Tensor, hidden: Optional[torch.Tensor],

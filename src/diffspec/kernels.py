@@ -16,6 +16,10 @@ Which formulation wins, and up to how many rows, depends on the CPU and the shap
   it was not. Once per machine x shapes x dtype x torch version, cached beside the cost tables.
 - `install(model, plan)`: each linear layer's forward picks the formulation its plan names for the
   pass's row count (a row count between buckets takes the bucket below; past the last, F.linear).
+- `head_rows`: the row buckets whose greedy choice skips the output head's fp32 product for the exact
+  screen of greedy_head.py (a bf16 product and a bound, then the few candidates rescored), timed
+  against the planned fp32 head where this CPU runs bf16 matmuls natively; the target applies it
+  where its own checks pass (`GreedyHead.for_model`).
 
 The modes (`--kernels`):
 - `auto` (default): the measured plan for every row count, one row included. Plain decoding then
@@ -24,9 +28,9 @@ The modes (`--kernels`):
   tokens can flip (the match rate against transformers' `generate` is measured in the README).
   A linear layer's one-row output equals the rows of its 2- and 3-row outputs bitwise (the same MKL
   kernel; tested), so plain decoding's matmuls and those of short verify passes compute alike.
-- `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear, so
-  plain decoding is bitwise transformers' eager forward.
-- `stock`: F.linear everywhere.
+- `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear and the
+  fp32 logits' argmax, so plain decoding is bitwise transformers' eager forward.
+- `stock`: F.linear everywhere, and greedy choices from the fp32 logits.
 Under `auto` and `multi-row` a GQA model's attention on a CPU also shares its key/value heads inside
 the kernel instead of copying the cache for every pass of 2+ rows (attention.py; bitwise the same
 output). `stock_kernels(model)` runs a block with F.linear everywhere and transformers' own attention
@@ -53,7 +57,7 @@ KERNELS = ("auto", "multi-row", "stock")
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
 MARGIN = 0.9
-FORMAT = 2
+FORMAT = 3
 
 Shape = Tuple[int, int]  # (out_features, in_features)
 
@@ -66,48 +70,62 @@ def check_kernels(name: str) -> None:
 @dataclass(frozen=True)
 class LinearPlan:
     """For each weight shape, the row buckets that take `mm(W, x^T)` (bucket 1: the padded two-column
-    mm); every other row count, F.linear."""
+    mm); every other row count, F.linear. `head_rows`: the row buckets whose greedy choice is screened
+    (greedy_head.py) instead of read from the fp32 head's logits."""
 
     mm_rows: Dict[Shape, frozenset] = field(default_factory=dict)
     timings_us: Dict[str, dict] = field(default_factory=dict, compare=False)
+    head_rows: frozenset = frozenset()
 
     def uses_mm(self, shape: Shape, rows: int) -> bool:
-        buckets = self.mm_rows.get(shape)
-        if not buckets or rows > ROW_BUCKETS[-1]:
-            return False
-        bucket = max(b for b in ROW_BUCKETS if b <= rows)
-        return bucket in buckets
+        return _in_buckets(self.mm_rows.get(shape), rows)
+
+    def screens_head(self, rows: int) -> bool:
+        return _in_buckets(self.head_rows, rows)
 
     def multi_row_only(self) -> "LinearPlan":
-        """The same plan with one-row passes left to F.linear (`--kernels multi-row`)."""
-        return LinearPlan({shape: rows - {1} for shape, rows in self.mm_rows.items()}, self.timings_us)
+        """The same plan with one-row passes left to transformers' own (`--kernels multi-row`)."""
+        return LinearPlan({shape: rows - {1} for shape, rows in self.mm_rows.items()}, self.timings_us,
+                          self.head_rows - {1})
 
     @property
     def one_row(self) -> bool:
-        """Whether any one-row pass leaves F.linear (plain decoding is then not transformers' own bitwise)."""
-        return any(1 in rows for rows in self.mm_rows.values())
+        """Whether any one-row pass leaves F.linear, or its greedy choice the fp32 logits (plain decoding is
+        then not transformers' own bitwise)."""
+        return any(1 in rows for rows in self.mm_rows.values()) or 1 in self.head_rows
 
     def describe(self) -> str:
-        if not any(self.mm_rows.values()):
+        if not any(self.mm_rows.values()) and not self.head_rows:
             return "stock"
         parts = []
         for (n, k), rows in sorted(self.mm_rows.items()):
             if rows:
                 parts.append(f"{n}x{k}: rows {','.join(str(r) for r in sorted(rows))}")
-        return "mm(W,x^T) for " + "; ".join(parts)
+        text = "mm(W,x^T) for " + "; ".join(parts) if parts else "F.linear"
+        if self.head_rows:
+            text += f"; greedy head screened in bf16 for rows {','.join(str(r) for r in sorted(self.head_rows))}"
+        return text
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "mm_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.mm_rows.items())],
-                "timings_us": self.timings_us}
+                "head_rows": sorted(self.head_rows), "timings_us": self.timings_us}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError("not a linear plan")
         rows = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["mm_rows"]}
-        if any(r not in ROW_BUCKETS for rs in rows.values() for r in rs):
+        head = frozenset(int(r) for r in d["head_rows"])
+        if any(r not in ROW_BUCKETS for rs in [*rows.values(), head] for r in rs):
             raise ValueError("row bucket out of range")
-        return cls(rows, d.get("timings_us", {}))
+        return cls(rows, d.get("timings_us", {}), head)
+
+
+def _in_buckets(buckets: Optional[frozenset], rows: int) -> bool:
+    """Whether `rows` falls in one of `buckets` (a row count takes the largest bucket <= it; none past the last)."""
+    if not buckets or rows > ROW_BUCKETS[-1]:
+        return False
+    return max(b for b in ROW_BUCKETS if b <= rows) in buckets
 
 
 def linear_groups(model: torch.nn.Module) -> Dict[Shape, list]:
@@ -163,7 +181,37 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
                 break  # the formulations converge as rows grow: stop timing
         mm_rows[shape] = frozenset(chosen)
         timings[f"{shape[0]}x{shape[1]}"] = rows_t
-    return LinearPlan(mm_rows, timings)
+    head_rows, timings["greedy_head"] = measure_head_screen(model, mm_rows, reps)
+    return LinearPlan(mm_rows, timings, head_rows)
+
+
+def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset], reps: int = 5) -> tuple:
+    """(the row buckets where greedy_head's screen is at least 1/MARGIN faster than the planned fp32 head
+    and its argmax, {bucket: [fp32 us, screened us]}). Nothing where the head is not a float32 bias-free
+    linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
+    rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
+    from .greedy_head import GreedyHead, bf16_matmul_native
+
+    head = model.get_output_embeddings()
+    if (not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
+            or head.weight.device.type != "cpu" or not bf16_matmul_native()):
+        return frozenset(), {}
+    screen, shape = GreedyHead.of(head), tuple(head.weight.shape)
+    g = torch.Generator().manual_seed(0)
+    chosen, rows_t = set(), {}
+    for rows in ROW_BUCKETS:
+        picks = torch.randint(0, shape[0], (rows,), generator=g)
+        x = head.weight.detach()[picks] * 10 + torch.randn(rows, shape[1], generator=g) * 0.1
+
+        def planned():
+            y = mm_linear(x, head.weight, None) if _in_buckets(mm_rows.get(shape), rows) else F.linear(x, head.weight)
+            y.argmax(dim=-1)
+
+        t_full, t_screen = median_seconds(planned, reps), median_seconds(lambda: screen.tokens(x), reps)
+        rows_t[rows] = [round(t_full * 1e6, 1), round(t_screen * 1e6, 1)]
+        if t_screen < MARGIN * t_full:
+            chosen.add(rows)
+    return frozenset(chosen), rows_t
 
 
 def plan_path(model: torch.nn.Module):

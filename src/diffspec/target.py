@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -28,10 +27,33 @@ from .errors import DiffspecError
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
 
-@dataclass(frozen=True)
 class TargetOutput:
-    logits: torch.Tensor                  # [n, V]
-    hidden_states: Optional[torch.Tensor]  # [n, len(layers) * hidden] or None
+    """One pass's rows: `logits` [n, V] (row i predicts the token after tokens[i]) and `hidden_states`
+    [n, len(layers) * hidden] or None. Where the target screens its greedy head (greedy_head.py) the
+    pass stops before the head: `greedy_tokens()` screens `final_hidden`, and `logits` are computed
+    from it on first read (what sampling reads), through the head as the model's own pass runs it."""
+
+    __slots__ = ("_logits", "hidden_states", "final_hidden", "head")
+
+    def __init__(self, logits: Optional[torch.Tensor], hidden_states: Optional[torch.Tensor] = None,
+                 final_hidden: Optional[torch.Tensor] = None, head=None):
+        if logits is None and (final_hidden is None or head is None):
+            raise ValueError("a TargetOutput needs logits, or the last hidden state and the head")
+        self._logits, self.hidden_states, self.final_hidden, self.head = logits, hidden_states, final_hidden, head
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            with torch.inference_mode():
+                self._logits = self.head.logits(self.final_hidden)
+        return self._logits
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """Each row's greedy choice [n] int64: screened where the pass stopped before the head (exactly the
+        argmax of the head's dot products), else the logits' argmax."""
+        if self._logits is None:
+            return self.head.tokens(self.final_hidden)
+        return self._logits.argmax(dim=-1)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -208,7 +230,7 @@ class Target(TargetBase):
 
     def __init__(self, model, tokenizer=None, max_context: Optional[int] = None, name: str = "model",
                  kernels: str = "stock", quiet: bool = True, compile: str = "off",
-                 fixed_cache: Optional[bool] = None):
+                 fixed_cache: Optional[bool] = None, screen_greedy_head: bool = True):
         """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
         or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
@@ -217,7 +239,10 @@ class Target(TargetBase):
         `fixed_cache` (cache.new_fixed_cache): a fixed-capacity cache, whose passes have fixed shapes, so
         compiled passes are compiled once per width with static shapes and, on CUDA, run as CUDA graphs.
         None (default): on CUDA whenever passes are compiled; elsewhere the position-indexed cache, whose
-        length is symbolic in the compiled graphs."""
+        length is symbolic in the compiled graphs.
+        `screen_greedy_head` (greedy_head.py): where the plan measured it faster, greedy choices come from a
+        bf16 product screened by an error bound and the few candidates rescored exactly, not from the fp32
+        logits (False: always the fp32 logits' argmax)."""
         from . import attention
         from . import compiled as comp
         from . import kernels as kern
@@ -252,6 +277,18 @@ class Target(TargetBase):
             attention.install(model)  # GQA without copying the cache (attention.py)
         else:
             attention.uninstall(model)  # transformers' own, whatever ran this model before
+        # greedy choices screened past the fp32 head where the plan measured it faster (greedy_head.py)
+        self.greedy_head, self.greedy_head_note = None, "not measured faster"
+        if kernels == "stock" or self.device.type != "cpu":
+            self.greedy_head_note = "stock kernels" if kernels == "stock" else "CPU only"
+        elif not self.linear_plan.timings_us.get("greedy_head"):
+            self.greedy_head_note = "not timed: it needs a float32 head and native bf16 matmuls"
+        if not screen_greedy_head:
+            self.greedy_head_note = "turned off"
+        elif self.linear_plan.head_rows:
+            from .greedy_head import GreedyHead
+            self.greedy_head, self.greedy_head_note = GreedyHead.for_model(model)
+        self._no_logits = torch.zeros(0, dtype=torch.long, device=self.device)  # logits_to_keep: none
         if self.fixed_cache:
             check_fixed_cache_attention(model.config._attn_implementation)
         self.compiled = comp.CompiledPasses.build(model, compile, quiet=quiet, fixed_shapes=self.fixed_cache)
@@ -318,7 +355,8 @@ class Target(TargetBase):
         Returns logits [n, V] (row i predicts the token after tokens[i]) and, if hidden_layers is
         given, the outputs of those decoder layers (0-based) concatenated: [n, len * hidden].
         With logits=False (a prefill whose logits nobody reads) only the last row's logits are
-        computed: [1, V].
+        computed: [1, V]. Where the plan screens the greedy head for this many rows (kernels.py,
+        greedy_head.py) the pass stops before the head (TargetOutput computes logits when read).
         """
         n = tokens.shape[0]
         if self.cache_len + n > self.max_context:
@@ -331,15 +369,16 @@ class Target(TargetBase):
             width = None  # the padding rows would not fit the model's context
         if width is not None and self.fixed_cache and self.cache_len + width > fixed_cache_capacity(self._cache):
             width = None  # nor the cache's capacity
+        screen = bool(logits) and self.greedy_head is not None and self.linear_plan.screens_head(width or n)
         started, before = time.perf_counter(), self.cache_len
         try:
             if width is None:
                 out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
-                                 use_cache=True, output_hidden_states=bool(hidden_layers),
-                                 logits_to_keep=0 if logits else 1)
+                                 use_cache=True, output_hidden_states=bool(hidden_layers) or screen,
+                                 logits_to_keep=self._no_logits if screen else (0 if logits else 1))
                 self._length += n if self.fixed_cache else 0
             else:
-                out = self._compiled_pass(tokens.reshape(n).to(self.device), width)
+                out = self._compiled_pass(tokens.reshape(n).to(self.device), width, screen)
                 self.compiled.timed_first((width, True), time.perf_counter() - started,
                                           fixed_cache_capacity(self._cache) if self.fixed_cache else None)
         except BaseException:
@@ -353,12 +392,14 @@ class Target(TargetBase):
             # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]. torch.cat
             # copies, which a CUDA graph's outputs need (its next replay overwrites them): keep it a copy
             hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
-        rows = out.logits[0, :n]
+        rows = (out.hidden_states[-1] if screen else out.logits)[0, :n]
         if width is not None and self.fixed_cache:
             rows = rows.clone()  # a CUDA graph's outputs are overwritten by its next replay
+        if screen:  # the model's last hidden state (normed): its logits are its head of it (GreedyHead.for_model)
+            return TargetOutput(None, hidden, final_hidden=rows, head=self.greedy_head)
         return TargetOutput(rows, hidden)
 
-    def _compiled_pass(self, ids: torch.Tensor, width: int):
+    def _compiled_pass(self, ids: torch.Tensor, width: int, screen: bool = False):
         """One pass through the compiled graph of `width` rows (compiled.py): the ids padded with copies
         of the last one, always as a fresh tensor (storage offset 0: torch specialises offsets 0 and 1);
         the padding rows' cache positions are cut off after the pass. Every layer's hidden states
@@ -373,7 +414,7 @@ class Target(TargetBase):
         if self.fixed_cache and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are no longer read
         out = self.compiled.fn(input_ids=ids.view(1, width), past_key_values=self._cache, use_cache=True,
-                               output_hidden_states=True, logits_to_keep=0)
+                               output_hidden_states=True, logits_to_keep=self._no_logits if screen else 0)
         if self.fixed_cache:
             self._length = start + n
             if width > n:
@@ -400,6 +441,9 @@ class Target(TargetBase):
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
         return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
                 "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json(),
+                "greedy_head": (f"screened (bf16 product, exact rescoring) for rows "
+                                f"{','.join(map(str, sorted(self.linear_plan.head_rows)))}" if self.greedy_head
+                                else f"fp32 logits ({self.greedy_head_note})"),
                 "cache": (f"fixed capacity ({fixed_cache_capacity(self._cache)} positions)" if self.fixed_cache
                           else "position-indexed")}
 
@@ -411,6 +455,8 @@ class Target(TargetBase):
             self._fingerprint = model_fingerprint(self.model)
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
+            if self.greedy_head is not None:
+                self._fingerprint = cache_key(self._fingerprint, "greedy-head", sorted(self.linear_plan.head_rows))
             if self.model.config._attn_implementation != "sdpa":
                 self._fingerprint = cache_key(self._fingerprint, self.model.config._attn_implementation)
         return self._fingerprint

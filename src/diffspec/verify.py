@@ -32,9 +32,15 @@ class Verdict:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Greedy acceptance. draft_tokens [k] int64; target_logits [k+1, V]."""
+    return verify_greedy_choices(draft_tokens, target_logits.argmax(dim=-1))
+
+
+def verify_greedy_choices(draft_tokens: torch.Tensor, choice: torch.Tensor) -> Verdict:
+    """Greedy acceptance from the target's own choices. draft_tokens [k] int64; choice [k+1] int64 (the
+    argmax of each row of the verify pass: TargetOutput.greedy_tokens())."""
     k = draft_tokens.shape[0]
-    assert target_logits.shape[0] == k + 1, (tuple(draft_tokens.shape), tuple(target_logits.shape))
-    choice = target_logits.argmax(dim=-1)  # [k+1]
+    assert choice.shape == (k + 1,), (tuple(draft_tokens.shape), tuple(choice.shape))
+    choice = choice.to(draft_tokens.device)
     matches = (choice[:k] == draft_tokens).to(torch.int64)
     n = int(torch.cumprod(matches, dim=0).sum()) if k else 0
     return Verdict(n, int(choice[n]), n == k)
