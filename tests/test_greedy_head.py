@@ -205,3 +205,17 @@ def test_verify_costs_are_timed_with_the_greedy_choices_read(monkeypatch):
     monkeypatch.setattr(TargetOutput, "greedy_tokens", lambda self: read.append(1) or original(self))
     measure_verify_costs(target, ks=(0, 1, 4), contexts=(8,), reps=2)
     assert len(read) == 3 * 2  # every timed pass
+
+
+def test_a_row_left_without_candidates_takes_the_fp32_argmax(monkeypatch):
+    """Only an overflowing product (inf - inf in the bounds) could leave a row without a candidate: the
+    pass then falls back to the fp32 logits instead of answering an out-of-range token."""
+    h, w = near_ties(rows=3)
+    original = G.candidates
+
+    def without_row_one(*args, **kwargs):
+        rows, tokens = original(*args, **kwargs)
+        return rows[rows != 1], tokens[rows != 1]
+
+    monkeypatch.setattr(G, "candidates", without_row_one)
+    assert torch.equal(screen(h, w), F.linear(h, w).argmax(-1))
