@@ -5,6 +5,7 @@ the engine reads it: the forward, then each row's greedy choice (`TargetOutput.g
 Each pass's choices are checked equal between the two (and to the float64 argmax of the head).
 
     python benchmarks/results/issue19_engine/scripts/ab_greedy_head.py OUT.json [--compile on] [--ks 0 3 7 15]
+        [--context random|answer]  (random tokens, or the target's own greedy answer to HumanEval/0)
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ ap.add_argument("out")
 ap.add_argument("--compile", default="off")
 ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 31])
 ap.add_argument("--turns", type=int, default=3)
+ap.add_argument("--context", choices=["random", "answer"], default="random")
 args = ap.parse_args()
 
 torch.set_num_threads(2)
@@ -29,8 +31,16 @@ t = Target.load(None, quiet=False, kernels="auto", compile=args.compile)
 screen = t.greedy_head
 assert screen is not None, t.runtime()["greedy_head"]
 print("plan:", t.linear_plan.describe(), flush=True)
-ids = torch.randint(0, t.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
 ctx = 256
+if args.context == "random":  # random tokens: flat next-token distributions, many candidates (the worst case)
+    ids = torch.randint(0, t.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
+else:  # the target's own greedy answer to HumanEval/0: the distributions verification meets
+    from diffspec.bench.prompts import load_bench_prompts
+    from diffspec.engine import SpeculativeEngine
+    prompt = t.encode_prompt(load_bench_prompts("humaneval", 1)[0].text)
+    answer = SpeculativeEngine(t, None).generate(prompt, max_new_tokens=400 - len(prompt), stop_token_ids=[]).token_ids
+    ids = torch.tensor(prompt + list(answer))
+    assert len(ids) >= ctx + 33, len(ids)
 
 
 def measure(k, reps=5):
@@ -65,7 +75,7 @@ for k in args.ks:
 t.greedy_head = screen
 flags = subprocess.run("grep -o -w -E 'amx_bf16|avx512_bf16|avx512f|avx2' /proc/cpuinfo | sort -u",
                        shell=True, capture_output=True, text=True).stdout.split()
-json.dump({"context": ctx, "compile": args.compile, "ms": res, "same_choices": agree, "cpu_flags": flags,
+json.dump({"context": ctx, "context_tokens": args.context, "compile": args.compile, "ms": res, "same_choices": agree, "cpu_flags": flags,
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
            "runtime": t.runtime(), "plan_head_timings_us": t.linear_plan.timings_us.get("greedy_head")},
           open(args.out, "w"), indent=1)
