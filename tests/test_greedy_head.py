@@ -31,24 +31,23 @@ def near_ties(rows: int = 256, hidden: int = 96, vocab: int = 512, seed: int = 0
     return h, w
 
 
-def screen(h, w, slack=1.0, kind="bf16"):
-    return G.screened_argmax(h, w, G.SCREENS[kind](w), slack=slack)
+def screen(h, w, slack=1.0):
+    return G.screened_argmax(h, w, w.to(torch.bfloat16), w.norm(dim=-1), slack=slack)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_screened_argmax_is_the_exact_argmax_where_the_cheap_product_is_not(kind):
+def test_screened_argmax_is_the_exact_argmax_where_a_bf16_argmax_is_not():
     h, w = near_ties()
     exact = G.exact_argmax(h, w)
-    assert torch.equal(screen(h, w, kind=kind), exact)
-    # the case has power: with a bound 10x too small (or none: the cheap product's own argmax) rows go wrong
-    assert not torch.equal(screen(h, w, slack=0.1, kind=kind), exact)
-    assert not torch.equal(G.SCREENS[kind](w).approx(h).float().argmax(-1), exact)
+    assert torch.equal(screen(h, w), exact)
+    # the case has power: with a bound 10x too small (or none: bf16's own argmax) rows go wrong
+    assert not torch.equal(screen(h, w, slack=0.1), exact)
+    assert not torch.equal(F.linear(h.bfloat16(), w.bfloat16()).float().argmax(-1), exact)
 
 
-def test_screened_choices_do_not_depend_on_the_row_count_or_the_screen():
+def test_screened_choices_do_not_depend_on_the_row_count():
     h, w = near_ties(rows=17, seed=1)
     whole = screen(h, w)
-    one_by_one = torch.cat([screen(h[i:i + 1], w, kind="int8") for i in range(h.shape[0])])
+    one_by_one = torch.cat([screen(h[i:i + 1], w) for i in range(h.shape[0])])
     in_threes = torch.cat([screen(h[i:i + 3], w) for i in range(0, h.shape[0], 3)])
     assert torch.equal(whole, one_by_one) and torch.equal(whole, in_threes)
 
@@ -57,10 +56,10 @@ def test_flat_rows_are_narrowed_by_the_fp32_product_and_stay_exact(monkeypatch):
     h, w = near_ties(rows=64, seed=3)
     calls = []
     original = G.candidates
-    monkeypatch.setattr(G, "candidates", lambda *a, **k: calls.append(a[2].kind) or original(*a, **k))
+    monkeypatch.setattr(G, "candidates", lambda *a, **k: calls.append(a[3]) or original(*a, **k))
     monkeypatch.setattr(G, "MAX_CANDIDATES_PER_ROW", 0)  # every pass counts as flat
     assert torch.equal(screen(h, w), G.exact_argmax(h, w))
-    assert calls == ["bf16", "fp32"]
+    assert calls == [G.row_bound_factors(96)[0], G.fp32_bound_factors(96)[0]]  # bf16, then fp32
 
 
 def test_ties_take_the_lowest_token_id_as_argmax_does():
@@ -86,21 +85,14 @@ def test_the_bound_holds_on_this_machine_and_a_tenth_of_it_would_not():
              + approx.abs().amax(-1, keepdim=True) * per_value)
     assert bool((error <= bound + absolute).all())
     assert bool((error > bound / 10).any())  # the bound is not vacuous: the error reaches a tenth of it
-    head = G.GreedyHead.of(torch.nn.Linear(96, 512, bias=False), ("bf16", "int8"))
-    assert G.bound_holds(head, "bf16") and G.bound_holds(head, "int8")
-    int8 = head.screens["int8"]  # its bound, checked on the near ties too
-    approx = int8.approx(h).double()
-    error = (approx - h.double() @ head.weight.double().t()).abs()  # (another weight: the head's own)
-    bound = torch.outer(h.double().norm(dim=-1), int8.token_bounds.double()) + approx.abs().amax(-1, keepdim=True) * int8.per_value
-    assert bool((error <= bound + int8.absolute).all())
+    assert G.bound_holds(G.GreedyHead.of(torch.nn.Linear(96, 512, bias=False)))
 
 
 def screened_everywhere(monkeypatch, one_row=True):
     """The plan screens every row bucket, as if measured faster, and bf16 counts as native (so the target's
     wiring is tested on every CPU kind; the screen's arithmetic is the same)."""
-    buckets = K.ROW_BUCKETS if one_row else K.ROW_BUCKETS[1:]
-    kinds = {rows: "int8" if rows <= 3 else "bf16" for rows in buckets}  # both screens, as a plan may choose
-    monkeypatch.setattr(K, "cached_plan", lambda m, quiet=True: K.LinearPlan({}, {}, kinds))
+    buckets = frozenset(K.ROW_BUCKETS if one_row else K.ROW_BUCKETS[1:])
+    monkeypatch.setattr(K, "cached_plan", lambda m, quiet=True: K.LinearPlan({}, {}, buckets))
     monkeypatch.setattr(G, "bf16_matmul_native", lambda: True)
 
 
@@ -120,7 +112,6 @@ def test_the_target_stops_before_the_head_and_reads_logits_only_when_asked(monke
     for start, width in ((20, 1), (21, 4), (25, 9)):
         want, got = stock.forward(ids[start:start + width]), target.forward(ids[start:start + width])
         assert got._logits is None and got.final_hidden.shape == (width, 32)
-        assert got.screen == ("int8" if width <= 3 else "bf16")
         assert torch.equal(got.greedy_tokens(), G.exact_argmax(got.final_hidden, target.greedy_head.weight))
         assert torch.equal(got.greedy_tokens(), want.logits.argmax(-1))
         torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-6)  # computed when read
@@ -171,17 +162,16 @@ def test_models_the_screen_would_not_be_exact_for_are_not_screened(monkeypatch):
 
 
 def test_plan_json_keeps_the_head_rows_and_multi_row_drops_one_row():
-    plan = K.LinearPlan({(8, 4): frozenset({2, 3})}, {}, {1: "int8", 3: "int8", 4: "bf16", 16: "bf16", 64: "bf16"})
+    plan = K.LinearPlan({(8, 4): frozenset({2, 3})}, {}, frozenset({1, 3, 4, 16, 64}))
     again = K.LinearPlan.from_json(plan.to_json())
-    assert again == plan and again.head_rows == {1: "int8", 3: "int8", 4: "bf16", 16: "bf16", 64: "bf16"}
-    assert set(plan.multi_row_only().head_rows) == {3, 4, 16, 64} and plan.one_row
+    assert again == plan and again.head_rows == {1, 3, 4, 16, 64}
+    assert plan.multi_row_only().head_rows == {3, 4, 16, 64}
     # a row count takes the largest bucket at or below it; nothing past the last bucket
     rows = (1, 2, 3, 5, 15, 16, 20, 64, 65)
-    assert [plan.screens_head(r) for r in rows] == ["int8", None, "int8", None, None, "bf16", "bf16", "bf16", None]
-    assert "greedy head screened (int8 for rows 1,3; bf16 for rows 4,16,64)" in plan.describe()
-    for bad in ([[7, "bf16"]], [[4, "fp8"]]):
-        with pytest.raises(ValueError):
-            K.LinearPlan.from_json({**plan.to_json(), "head_rows": bad})
+    assert [plan.screens_head(r) for r in rows] == [True, False, True, False, False, True, True, True, False]
+    assert "greedy head screened" in plan.describe()
+    with pytest.raises(ValueError):
+        K.LinearPlan.from_json({**plan.to_json(), "head_rows": [7]})
 
 
 def test_compiled_passes_stop_before_the_head_too(monkeypatch):

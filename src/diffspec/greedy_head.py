@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,13 +55,12 @@ def gamma(n: int, u: float) -> float:
 
 
 def fp32_bound_factors(hidden_size: int) -> tuple:
-    """(per ||h|| ||w_v||, per max|approx|, absolute) for an fp32 product (F.linear in any summation
-    order) rescored in float64."""
+    """The same for an fp32 product (F.linear in any summation order) rescored in float64."""
     return gamma(hidden_size, FP32_U) + gamma(hidden_size, FP64_U), 0.0, hidden_size * 2.0 ** -126 + 1e-30
 
 
 def row_bound_factors(hidden_size: int) -> tuple:
-    """(per ||h|| ||w_v||, per max|approx|, absolute) of the bf16 product's bound in the module docstring."""
+    """(per ||h|| * max||w||, per max|approx|, absolute) of the bound B in the module docstring."""
     g32 = gamma(2 * hidden_size, FP32_U)  # 2H: a bf16 dot-product instruction may round pair sums too
     g64 = gamma(hidden_size, FP64_U)
     per_norm = (2 * BF16_U + BF16_U ** 2) * (1 + g32) + g32 + g64
@@ -70,74 +69,24 @@ def row_bound_factors(hidden_size: int) -> tuple:
     return per_norm, per_value, absolute
 
 
-@dataclass(frozen=True, eq=False)
-class Screen:
-    """A cheaper product of the head, `approx(h)` [n, V], with a bound on its error for every token:
-    |h . w_v - approx(h)_v| <= ||h|| * token_bounds[v] + per_value * max_v' |approx(h)_v'| + absolute."""
-
-    kind: str                   # "bf16", "int8" or "fp32"
-    tensors: tuple              # bf16: (W bf16,); int8: (q int8 [V, H], scales bf16 [V]); fp32: (W,)
-    token_bounds: torch.Tensor  # [V] fp32
-    per_value: float
-    absolute: float
-
-    def approx(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.kind == "bf16":
-            return F.linear(hidden.to(torch.bfloat16), self.tensors[0])
-        if self.kind == "int8":
-            return torch._weight_int8pack_mm(hidden.to(torch.bfloat16), *self.tensors)
-        return F.linear(hidden, self.tensors[0])
-
-
-def bf16_screen(weight: torch.Tensor) -> Screen:
-    per_norm, per_value, absolute = row_bound_factors(weight.shape[1])
-    return Screen("bf16", (weight.to(torch.bfloat16),), weight.norm(dim=-1) * per_norm, per_value, absolute)
-
-
-def fp32_screen(weight: torch.Tensor) -> Screen:
-    per_norm, per_value, absolute = fp32_bound_factors(weight.shape[1])
-    return Screen("fp32", (weight,), weight.norm(dim=-1) * per_norm, per_value, absolute)
-
-
-def int8_screen(weight: torch.Tensor) -> Screen:
-    """The head quantised per row to int8 with a bf16 scale (torch's int8 weight-only kernel, bf16
-    activations). With w^_v = q_v s_v its exact dequantised row and e_v = ||w_v - w^_v|| (computed in
-    float64, rounded up), |h . w_v - approx_v| <= ||h|| (e_v + ||w^_v|| c) + per_value |approx_v|, where
-    c covers rounding h to bf16, a possible bf16 rounding of the dequantised weights, the fp32 sum and
-    the float64 rescoring, and per_value the rounding of the scaling and of the bf16 output."""
-    hdim = weight.shape[1]
-    scale = (weight.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-    q = torch.round(weight / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    dequant = q.double() * scale.double().unsqueeze(-1)  # exact: 7 bits times 8
-    quant_error = (weight.double() - dequant).norm(dim=-1) * (1 + 1e-6)
-    g32, g64, u = gamma(2 * hdim, FP32_U), gamma(hdim, FP64_U), BF16_U
-    c = 2 * u + u * u + 2 * g32 * (1 + u) ** 2 + g64
-    token_bounds = (quant_error + dequant.norm(dim=-1) * c * (1 + 1e-6)).float()
-    per_value = (2 * u + u * u) / (1 - u) ** 2
-    return Screen("int8", (q, scale), token_bounds, per_value, 2 * hdim * 2.0 ** -126 + 1e-30)
-
-
-SCREENS = {"bf16": bf16_screen, "int8": int8_screen}
-
 #: more candidates than this a row (a flat distribution) and the fp32 product narrows them first
 MAX_CANDIDATES_PER_ROW = 256
 
 
 @torch.inference_mode()
-def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: Screen, narrow: Optional[Screen] = None,
-                    slack: float = 1.0) -> torch.Tensor:
+def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor,
+                    row_norms: torch.Tensor, slack: float = 1.0) -> torch.Tensor:
     """argmax_v hidden[r] . weight[v] for every row r of hidden [n, H] (fp32) -> [n] int64, exactly
-    (module docstring), from `screen`'s cheaper product; `narrow` (default: the fp32 product) narrows a
-    flat pass's candidates. `slack` scales the bound (1: the proven one; the tests show that a tenth of it
-    fails)."""
-    n = hidden.shape[0]
+    (module docstring). weight [V, H] fp32, weight_bf16 its bf16 copy, row_norms [V] = ||weight[v]||.
+    `slack` scales the bound (1: the proven one; the tests show that a tenth of it fails)."""
+    n, hdim = hidden.shape
     norms = hidden.norm(dim=-1)
     if not bool(torch.isfinite(norms).all()):  # inf or nan in a row: no bound to screen with
         return F.linear(hidden, weight).argmax(dim=-1)
-    rows, tokens = candidates(screen.approx(hidden), norms, screen, slack)
+    rows, tokens = candidates(F.linear(hidden.to(torch.bfloat16), weight_bf16), norms, row_norms,
+                              *row_bound_factors(hdim), slack)
     if tokens.shape[0] > MAX_CANDIDATES_PER_ROW * n:  # flat rows: narrow them with the fp32 product
-        narrow = narrow or fp32_screen(weight)
-        rows, tokens = candidates(narrow.approx(hidden), norms, narrow, slack)
+        rows, tokens = candidates(F.linear(hidden, weight), norms, row_norms, *fp32_bound_factors(hdim), slack)
     exact = (hidden.double()[rows] * weight[tokens].double()).sum(dim=-1)  # [candidates] float64
     best = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, rows, exact, "amax")
     if not bool(torch.isfinite(best).all()):  # a row without a finite candidate (an overflowing product)
@@ -146,20 +95,20 @@ def screened_argmax(hidden: torch.Tensor, weight: torch.Tensor, screen: Screen, 
     return torch.full((n,), weight.shape[0], dtype=torch.long).scatter_reduce(0, rows[won], tokens[won], "amin")
 
 
-def candidates(approx: torch.Tensor, norms: torch.Tensor, screen: Screen, slack: float = 1.0) -> tuple:
-    """(rows, tokens) that may hold each row's exact argmax, given approx [n, V] with `screen`'s bound
-    B_v = norms[r] * token_bounds[v] + per_value * max_v |approx[r, v]| + absolute: every token whose
-    upper bound approx_v + B_v reaches the largest lower bound approx_t - B_t."""
+def candidates(approx: torch.Tensor, norms: torch.Tensor, row_norms: torch.Tensor, per_norm: float,
+               per_value: float, absolute: float, slack: float = 1.0) -> tuple:
+    """(rows, tokens) that may hold each row's exact argmax, given approx [n, V] whose error is at most
+    B_v = norms[r] * row_norms[v] * per_norm + max_v |approx[r, v]| * per_value + absolute:
+    every token whose upper bound approx_v + B_v reaches the largest lower bound approx_t - B_t."""
     approx = approx.float()  # (argmax and comparisons on bf16 run several times slower)
-    spread = norms * slack  # [n]
-    bounds = screen.token_bounds
+    spread = norms * (per_norm * slack)  # [n]
     high, low = approx.amax(dim=-1), approx.amin(dim=-1)
-    value_term = (torch.maximum(high.abs(), low.abs()) * screen.per_value + screen.absolute) * slack
-    lower = torch.addr(approx, spread, bounds, alpha=-1).amax(dim=-1) - value_term  # the best exact product is above
-    # the candidates' upper bounds are approx_v + spread * bounds_v + value_term; the threshold is widened by
+    value_term = (torch.maximum(high.abs(), low.abs()) * per_value + absolute) * slack
+    lower = torch.addr(approx, spread, row_norms, alpha=-1).amax(dim=-1) - value_term  # the best exact product is above
+    # the candidates' upper bounds are approx_v + spread * ||w_v|| + value_term; the threshold is widened by
     # 1e-5 relative for the fp32 rounding of this arithmetic itself
-    threshold = lower - value_term - 1e-5 * slack * (high.abs() + spread * bounds.max() + value_term)
-    upper = torch.addr(approx, spread, bounds)
+    threshold = lower - value_term - 1e-5 * slack * (high.abs() + spread * row_norms.max() + value_term)
+    upper = torch.addr(approx, spread, row_norms)
     return torch.nonzero(upper >= threshold.unsqueeze(-1), as_tuple=True)
 
 
@@ -176,34 +125,23 @@ def bf16_matmul_native() -> bool:
         return False
 
 
-def int8_kernel_available() -> bool:
-    """Whether this torch has the int8 weight-only matmul for CPU tensors."""
-    try:
-        q = torch.ones(8, 32, dtype=torch.int8)
-        torch._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16), q, torch.ones(8, dtype=torch.bfloat16))
-        return True
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
 @dataclass(frozen=True, eq=False)
 class GreedyHead:
-    """A model's output head for greedy choices: its weight and the screens built for it (by kind)."""
+    """A model's output head for greedy choices: its weight, a bf16 copy, its rows' norms."""
 
     module: torch.nn.Module
     weight: torch.Tensor
-    screens: Dict[str, Screen]
-    narrow: Screen  # the fp32 product, for flat passes
+    weight_bf16: torch.Tensor
+    row_norms: torch.Tensor  # [V] fp32: ||w_v||
 
     @classmethod
-    def of(cls, module: torch.nn.Module, kinds: Sequence[str] = ("bf16",)) -> "GreedyHead":
+    def of(cls, module: torch.nn.Module) -> "GreedyHead":
         w = module.weight.detach()
-        return cls(module, w, {kind: SCREENS[kind](w) for kind in kinds}, fp32_screen(w))
+        return cls(module, w, w.to(torch.bfloat16), w.norm(dim=-1))
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, kinds: Sequence[str] = ("bf16",)) -> tuple:
-        """(GreedyHead with the kinds that apply, "") where screening applies to this model on this machine,
-        else (None, why not)."""
+    def for_model(cls, model: torch.nn.Module) -> tuple:
+        """(GreedyHead, "") where screening applies to this model on this machine, else (None, why not)."""
         head = model.get_output_embeddings()
         if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
             return None, "the output head is not a bias-free linear layer"
@@ -214,18 +152,14 @@ class GreedyHead:
             return None, "this CPU has no native bf16 matmul"
         if not logits_are_the_head_of_the_last_hidden_state(model):
             return None, "the model's logits are not its head applied to its last hidden state"
-        kinds = [k for k in kinds if k != "int8" or int8_kernel_available()]
-        built = cls.of(head, kinds)
-        failed = [kind for kind in kinds if not bound_holds(built, kind)]
-        for kind in failed:
-            del built.screens[kind]
-        if not built.screens:
-            return None, f"the {'/'.join(failed) or 'screened'} product's error exceeded its bound on this machine"
+        built = cls.of(head)
+        if not bound_holds(built):
+            return None, "the bf16 product's error exceeded the bound on this machine"
         return built, ""
 
-    def tokens(self, hidden: torch.Tensor, kind: str = "bf16") -> torch.Tensor:
+    def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy choice for each row of hidden [n, H] (the model's last, normed, hidden state)."""
-        return screened_argmax(hidden, self.weight, self.screens[kind], self.narrow)
+        return screened_argmax(hidden, self.weight, self.weight_bf16, self.row_norms)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The full logits [n, V], through the head module as the model's own pass would run it."""
@@ -249,16 +183,17 @@ def logits_are_the_head_of_the_last_hidden_state(model: torch.nn.Module) -> bool
 
 
 @torch.inference_mode()
-def bound_holds(head: GreedyHead, kind: str = "bf16", rows: int = 16, seed: int = 0) -> bool:
-    """A screen's bound against the measured error of this machine's product, for random rows at the scale
+def bound_holds(head: GreedyHead, rows: int = 16, seed: int = 0) -> bool:
+    """The bound against the measured error of this machine's bf16 product, for random rows at the scale
     of the head's own weights and for rows aligned with some of its weights (large logits)."""
     g = torch.Generator().manual_seed(seed)
-    w, screen = head.weight, head.screens[kind]
+    w = head.weight
     scale = float(w.norm(dim=-1).mean()) / math.sqrt(w.shape[1])
     picks = torch.randint(0, w.shape[0], (rows // 2,), generator=g)
     h = torch.cat([torch.randn(rows - rows // 2, w.shape[1], generator=g) * scale * 40, w[picks] * 10])
-    approx = screen.approx(h).double()
+    approx = F.linear(h.to(torch.bfloat16), head.weight_bf16).double()
     truth = h.double() @ w.double().t()
-    bound = (torch.outer(h.double().norm(dim=-1), screen.token_bounds.double())
-             + approx.abs().amax(dim=-1, keepdim=True) * screen.per_value + screen.absolute)
+    per_norm, per_value, absolute = row_bound_factors(w.shape[1])
+    bound = (torch.outer(h.double().norm(dim=-1), head.row_norms.double()) * per_norm
+             + approx.abs().amax(dim=-1, keepdim=True) * per_value + absolute)
     return bool(((approx - truth).abs() <= bound).all())

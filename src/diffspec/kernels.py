@@ -16,10 +16,10 @@ Which formulation wins, and up to how many rows, depends on the CPU and the shap
   it was not. Once per machine x shapes x dtype x torch version, cached beside the cost tables.
 - `install(model, plan)`: each linear layer's forward picks the formulation its plan names for the
   pass's row count (a row count between buckets takes the bucket below; past the last, F.linear).
-- `head_rows`: the row buckets whose greedy choice skips the output head's fp32 product for an exact
-  screen of greedy_head.py (a bf16 or int8 product and a bound, then the few candidates rescored),
-  each kind timed against the planned fp32 head where this CPU runs bf16 matmuls natively; the target
-  applies it where its own checks pass (`GreedyHead.for_model`).
+- `head_rows`: the row buckets whose greedy choice skips the output head's fp32 product for the exact
+  screen of greedy_head.py (a bf16 product and a bound, then the few candidates rescored), timed
+  against the planned fp32 head where this CPU runs bf16 matmuls natively; the target applies it
+  where its own checks pass (`GreedyHead.for_model`).
 
 The modes (`--kernels`):
 - `auto` (default): the measured plan for every row count, one row included. Plain decoding then
@@ -57,9 +57,7 @@ KERNELS = ("auto", "multi-row", "stock")
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
 MARGIN = 0.9
-FORMAT = 4
-#: the greedy head's screens (greedy_head.py), timed where this CPU runs bf16 matmuls natively
-HEAD_SCREENS = ("bf16", "int8")
+FORMAT = 3
 
 Shape = Tuple[int, int]  # (out_features, in_features)
 
@@ -73,25 +71,22 @@ def check_kernels(name: str) -> None:
 class LinearPlan:
     """For each weight shape, the row buckets that take `mm(W, x^T)` (bucket 1: the padded two-column
     mm); every other row count, F.linear. `head_rows`: the row buckets whose greedy choice is screened
-    (greedy_head.py) instead of read from the fp32 head's logits, and the screen's kind (bf16 or int8)."""
+    (greedy_head.py) instead of read from the fp32 head's logits."""
 
     mm_rows: Dict[Shape, frozenset] = field(default_factory=dict)
     timings_us: Dict[str, dict] = field(default_factory=dict, compare=False)
-    head_rows: Dict[int, str] = field(default_factory=dict)
+    head_rows: frozenset = frozenset()
 
     def uses_mm(self, shape: Shape, rows: int) -> bool:
         return _in_buckets(self.mm_rows.get(shape), rows)
 
-    def screens_head(self, rows: int) -> Optional[str]:
-        """The screen's kind for a pass of `rows` rows, or None: the fp32 logits."""
-        if not _in_buckets(frozenset(self.head_rows), rows):
-            return None
-        return self.head_rows[max(b for b in ROW_BUCKETS if b <= rows)]
+    def screens_head(self, rows: int) -> bool:
+        return _in_buckets(self.head_rows, rows)
 
     def multi_row_only(self) -> "LinearPlan":
         """The same plan with one-row passes left to transformers' own (`--kernels multi-row`)."""
         return LinearPlan({shape: rows - {1} for shape, rows in self.mm_rows.items()}, self.timings_us,
-                          {rows: kind for rows, kind in self.head_rows.items() if rows != 1})
+                          self.head_rows - {1})
 
     @property
     def one_row(self) -> bool:
@@ -108,32 +103,22 @@ class LinearPlan:
                 parts.append(f"{n}x{k}: rows {','.join(str(r) for r in sorted(rows))}")
         text = "mm(W,x^T) for " + "; ".join(parts) if parts else "F.linear"
         if self.head_rows:
-            text += "; greedy head screened (" + describe_head_rows(self.head_rows) + ")"
+            text += f"; greedy head screened in bf16 for rows {','.join(str(r) for r in sorted(self.head_rows))}"
         return text
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "mm_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.mm_rows.items())],
-                "head_rows": sorted([rows, kind] for rows, kind in self.head_rows.items()),
-                "timings_us": self.timings_us}
+                "head_rows": sorted(self.head_rows), "timings_us": self.timings_us}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError("not a linear plan")
         rows = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["mm_rows"]}
-        head = {int(r): str(kind) for r, kind in d["head_rows"]}
+        head = frozenset(int(r) for r in d["head_rows"])
         if any(r not in ROW_BUCKETS for rs in [*rows.values(), head] for r in rs):
             raise ValueError("row bucket out of range")
-        if any(kind not in HEAD_SCREENS for kind in head.values()):
-            raise ValueError("unknown head screen")
         return cls(rows, d.get("timings_us", {}), head)
-
-
-def describe_head_rows(head_rows: Dict[int, str]) -> str:
-    """E.g. 'int8 for rows 1,2; bf16 for rows 3,4,8'."""
-    kinds = sorted(set(head_rows.values()), key=lambda k: min(r for r, v in head_rows.items() if v == k))
-    return "; ".join(f"{kind} for rows {','.join(str(r) for r in sorted(r for r, v in head_rows.items() if v == kind))}"
-                     for kind in kinds)
 
 
 def _in_buckets(buckets: Optional[frozenset], rows: int) -> bool:
@@ -201,21 +186,19 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
 
 
 def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset], reps: int = 5) -> tuple:
-    """({bucket: kind} where a screen of greedy_head.py is at least 1/MARGIN faster than the planned fp32
-    head and its argmax (the fastest such kind), {bucket: {"fp32": us, kind: us, ...}}). Nothing where the
-    head is not a float32 bias-free linear layer or this CPU has no native bf16 matmul. Timed on rows aimed
-    at some of the head's own rows (a peaked distribution, as a language model's usually is: few candidates
-    to rescore)."""
-    from .greedy_head import GreedyHead, bf16_matmul_native, int8_kernel_available
+    """(the row buckets where greedy_head's screen is at least 1/MARGIN faster than the planned fp32 head
+    and its argmax, {bucket: [fp32 us, screened us]}). Nothing where the head is not a float32 bias-free
+    linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
+    rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
+    from .greedy_head import GreedyHead, bf16_matmul_native
 
     head = model.get_output_embeddings()
     if (not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
             or head.weight.device.type != "cpu" or not bf16_matmul_native()):
-        return {}, {}
-    kinds = [k for k in HEAD_SCREENS if k != "int8" or int8_kernel_available()]
-    screens, shape = GreedyHead.of(head, kinds), tuple(head.weight.shape)
+        return frozenset(), {}
+    screen, shape = GreedyHead.of(head), tuple(head.weight.shape)
     g = torch.Generator().manual_seed(0)
-    chosen, rows_t = {}, {}
+    chosen, rows_t = set(), {}
     for rows in ROW_BUCKETS:
         picks = torch.randint(0, shape[0], (rows,), generator=g)
         x = head.weight.detach()[picks] * 10 + torch.randn(rows, shape[1], generator=g) * 0.1
@@ -224,14 +207,11 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
             y = mm_linear(x, head.weight, None) if _in_buckets(mm_rows.get(shape), rows) else F.linear(x, head.weight)
             y.argmax(dim=-1)
 
-        times = {"fp32": median_seconds(planned, reps)}
-        for kind in kinds:
-            times[kind] = median_seconds(lambda: screens.tokens(x, kind), reps)
-        rows_t[rows] = {k: round(t * 1e6, 1) for k, t in times.items()}
-        best = min(kinds, key=times.get)
-        if times[best] < MARGIN * times["fp32"]:
-            chosen[rows] = best
-    return chosen, rows_t
+        t_full, t_screen = median_seconds(planned, reps), median_seconds(lambda: screen.tokens(x), reps)
+        rows_t[rows] = [round(t_full * 1e6, 1), round(t_screen * 1e6, 1)]
+        if t_screen < MARGIN * t_full:
+            chosen.add(rows)
+    return frozenset(chosen), rows_t
 
 
 def plan_path(model: torch.nn.Module):

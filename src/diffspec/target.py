@@ -33,14 +33,13 @@ class TargetOutput:
     pass stops before the head: `greedy_tokens()` screens `final_hidden`, and `logits` are computed
     from it on first read (what sampling reads), through the head as the model's own pass runs it."""
 
-    __slots__ = ("_logits", "hidden_states", "final_hidden", "head", "screen")
+    __slots__ = ("_logits", "hidden_states", "final_hidden", "head")
 
     def __init__(self, logits: Optional[torch.Tensor], hidden_states: Optional[torch.Tensor] = None,
-                 final_hidden: Optional[torch.Tensor] = None, head=None, screen: str = "bf16"):
+                 final_hidden: Optional[torch.Tensor] = None, head=None):
         if logits is None and (final_hidden is None or head is None):
             raise ValueError("a TargetOutput needs logits, or the last hidden state and the head")
         self._logits, self.hidden_states, self.final_hidden, self.head = logits, hidden_states, final_hidden, head
-        self.screen = screen  # the head's screen for greedy choices (greedy_head.py)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -53,7 +52,7 @@ class TargetOutput:
         """Each row's greedy choice [n] int64: screened where the pass stopped before the head (exactly the
         argmax of the head's dot products), else the logits' argmax."""
         if self._logits is None:
-            return self.head.tokens(self.final_hidden, self.screen)
+            return self.head.tokens(self.final_hidden)
         return self._logits.argmax(dim=-1)
 
 
@@ -242,7 +241,7 @@ class Target(TargetBase):
         None (default): on CUDA whenever passes are compiled; elsewhere the position-indexed cache, whose
         length is symbolic in the compiled graphs.
         `screen_greedy_head` (greedy_head.py): where the plan measured it faster, greedy choices come from a
-        bf16 or int8 product screened by an error bound and the few candidates rescored exactly, not the fp32
+        bf16 product screened by an error bound and the few candidates rescored exactly, not from the fp32
         logits (False: always the fp32 logits' argmax)."""
         from . import attention
         from . import compiled as comp
@@ -288,8 +287,7 @@ class Target(TargetBase):
             self.greedy_head_note = "turned off"
         elif self.linear_plan.head_rows:
             from .greedy_head import GreedyHead
-            self.greedy_head, self.greedy_head_note = GreedyHead.for_model(model, sorted(set(
-                self.linear_plan.head_rows.values())))
+            self.greedy_head, self.greedy_head_note = GreedyHead.for_model(model)
         self._no_logits = torch.zeros(0, dtype=torch.long, device=self.device)  # logits_to_keep: none
         if self.fixed_cache:
             check_fixed_cache_attention(model.config._attn_implementation)
@@ -371,8 +369,7 @@ class Target(TargetBase):
             width = None  # the padding rows would not fit the model's context
         if width is not None and self.fixed_cache and self.cache_len + width > fixed_cache_capacity(self._cache):
             width = None  # nor the cache's capacity
-        kind = self.linear_plan.screens_head(width or n) if logits and self.greedy_head is not None else None
-        screen = kind is not None and kind in self.greedy_head.screens
+        screen = bool(logits) and self.greedy_head is not None and self.linear_plan.screens_head(width or n)
         started, before = time.perf_counter(), self.cache_len
         try:
             if width is None:
@@ -399,7 +396,7 @@ class Target(TargetBase):
         if width is not None and self.fixed_cache:
             rows = rows.clone()  # a CUDA graph's outputs are overwritten by its next replay
         if screen:  # the model's last hidden state (normed): its logits are its head of it (GreedyHead.for_model)
-            return TargetOutput(None, hidden, final_hidden=rows, head=self.greedy_head, screen=kind)
+            return TargetOutput(None, hidden, final_hidden=rows, head=self.greedy_head)
         return TargetOutput(rows, hidden)
 
     def _compiled_pass(self, ids: torch.Tensor, width: int, screen: bool = False):
@@ -444,16 +441,11 @@ class Target(TargetBase):
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
         return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
                 "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json(),
-                "greedy_head": self.describe_greedy_head(),
+                "greedy_head": (f"screened (bf16 product, exact rescoring) for rows "
+                                f"{','.join(map(str, sorted(self.linear_plan.head_rows)))}" if self.greedy_head
+                                else f"fp32 logits ({self.greedy_head_note})"),
                 "cache": (f"fixed capacity ({fixed_cache_capacity(self._cache)} positions)" if self.fixed_cache
                           else "position-indexed")}
-
-    def describe_greedy_head(self) -> str:
-        if self.greedy_head is None:
-            return f"fp32 logits ({self.greedy_head_note})"
-        from .kernels import describe_head_rows
-        rows = {r: k for r, k in self.linear_plan.head_rows.items() if k in self.greedy_head.screens}
-        return f"screened, exact rescoring ({describe_head_rows(rows)}; other rows: fp32 logits)"
 
     @property
     def base_fingerprint(self) -> str:
@@ -464,7 +456,7 @@ class Target(TargetBase):
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
             if self.greedy_head is not None:
-                self._fingerprint = cache_key(self._fingerprint, "greedy-head", self.describe_greedy_head())
+                self._fingerprint = cache_key(self._fingerprint, "greedy-head", sorted(self.linear_plan.head_rows))
             if self.model.config._attn_implementation != "sdpa":
                 self._fingerprint = cache_key(self._fingerprint, self.model.config._attn_implementation)
         return self._fingerprint
