@@ -60,7 +60,7 @@ def fp32_bound_factors(hidden_size: int) -> tuple:
 
 
 def row_bound_factors(hidden_size: int) -> tuple:
-    """(per ||h|| * max||w||, per max|approx|, absolute) of the bound B in the module docstring."""
+    """(per ||h|| ||w_v||, per max|approx|, absolute) of the bound B_v in the module docstring."""
     g32 = gamma(2 * hidden_size, FP32_U)  # 2H: a bf16 dot-product instruction may round pair sums too
     g64 = gamma(hidden_size, FP64_U)
     per_norm = (2 * BF16_U + BF16_U ** 2) * (1 + g32) + g32 + g64
@@ -125,6 +125,19 @@ def bf16_matmul_native() -> bool:
         return False
 
 
+def unscreenable(head: Optional[torch.nn.Module]) -> str:
+    """Why this output head cannot be screened on this machine ("" where it can): what the kernel plan
+    checks before timing the screen and the target before building it."""
+    if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return "the output head is not a bias-free linear layer"
+    w = head.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return f"a {w.dtype} model on {w.device.type} (screening serves float32 on a CPU)"
+    if not bf16_matmul_native():
+        return "this CPU has no native bf16 matmul"
+    return ""
+
+
 @dataclass(frozen=True, eq=False)
 class GreedyHead:
     """A model's output head for greedy choices: its weight, a bf16 copy, its rows' norms."""
@@ -143,13 +156,9 @@ class GreedyHead:
     def for_model(cls, model: torch.nn.Module) -> tuple:
         """(GreedyHead, "") where screening applies to this model on this machine, else (None, why not)."""
         head = model.get_output_embeddings()
-        if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
-            return None, "the output head is not a bias-free linear layer"
-        w = head.weight
-        if w.dtype != torch.float32 or w.device.type != "cpu":
-            return None, f"a {w.dtype} model on {w.device.type} (screening serves float32 on a CPU)"
-        if not bf16_matmul_native():
-            return None, "this CPU has no native bf16 matmul"
+        why_not = unscreenable(head)
+        if why_not:
+            return None, why_not
         if not logits_are_the_head_of_the_last_hidden_state(model):
             return None, "the model's logits are not its head applied to its last hidden state"
         built = cls.of(head)

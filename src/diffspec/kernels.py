@@ -190,11 +190,10 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
     and its argmax, {bucket: [fp32 us, screened us]}). Nothing where the head is not a float32 bias-free
     linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
-    from .greedy_head import GreedyHead, bf16_matmul_native
+    from .greedy_head import GreedyHead, unscreenable
 
     head = model.get_output_embeddings()
-    if (not isinstance(head, torch.nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32
-            or head.weight.device.type != "cpu" or not bf16_matmul_native()):
+    if unscreenable(head):
         return frozenset(), {}
     screen, shape = GreedyHead.of(head), tuple(head.weight.shape)
     g = torch.Generator().manual_seed(0)

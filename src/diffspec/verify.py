@@ -40,7 +40,6 @@ def verify_greedy_choices(draft_tokens: torch.Tensor, choice: torch.Tensor) -> V
     argmax of each row of the verify pass: TargetOutput.greedy_tokens())."""
     k = draft_tokens.shape[0]
     assert choice.shape == (k + 1,), (tuple(draft_tokens.shape), tuple(choice.shape))
-    choice = choice.to(draft_tokens.device)
     matches = (choice[:k] == draft_tokens).to(torch.int64)
     n = int(torch.cumprod(matches, dim=0).sum()) if k else 0
     return Verdict(n, int(choice[n]), n == k)

@@ -5,9 +5,9 @@ median of 11 after a warm-up; ms.
 
     python benchmarks/results/issue19_engine/scripts/head_int8_microbench.py
 """
-import time
-
 import torch
+
+from diffspec.timing import median_ms
 
 torch.set_num_threads(2)
 V, H = 49152, 576
@@ -17,14 +17,8 @@ q = torch.round(W / s[:, None]).clamp(-127, 127).to(torch.int8)
 Wb, Wf = W.bfloat16(), W
 
 
-def tm(f, n=11):
-    f()
-    ts = []
-    for _ in range(n):
-        a = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - a)
-    return sorted(ts)[n // 2] * 1e3
+def tm(f):
+    return median_ms(f, repeats=11, warmup=1)
 
 
 for r in [1, 2, 4, 8, 16, 32]:
