@@ -67,6 +67,37 @@ def test_on_compiles_every_width_at_start_and_then_never_again(narrow):
         t.forward(ids[:7], logits=False)
     torch.testing.assert_close(comp.forward(ids[7:8]).logits, eager.forward(ids[7:8]).logits, rtol=0, atol=1e-5)
     assert graphs() == before
+    # every pass above after the start ran with dynamo's guards skipped (CompiledPasses.run): each key's
+    # guards were evaluated once, by compile_widths
+    assert comp.compiled.skips_steady_guards and comp.compiled.guarded == {(1, False), (2, False), (4, False)}
+
+
+def test_guards_skipped_in_steady_state_still_tell_models_and_widths_apart(narrow, monkeypatch):
+    """CompiledPasses.run skips a pass key's guards after its first call, keeping only those that tell
+    the function's graphs apart. Two compiled targets of different shapes share transformers' forward
+    (one code object, one dynamo cache): interleaved passes of every width must each run their own
+    graph, equal to their eager twins, with every steady-state call under the skipping stance."""
+    torch._dynamo.reset()
+    stances = []
+    real = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or real(*a, **k))
+    pairs = [(Target(make_model(v, seed=s, hidden=h)), Target(make_model(v, seed=s, hidden=h), compile="on"))
+             for v, s, h in ((70, 5, 32), (90, 6, 48))]
+    ids = torch.arange(4, 60)
+    for pair in pairs:
+        for t in pair:
+            t.reserve(48)
+            t.forward(ids[:20], logits=False)
+    stances.clear()
+    start = 20
+    for width in (1, 3, 2, 4, 1, 2):
+        for eager, comp in pairs:
+            want, got = (t.forward(ids[start:start + width]).logits for t in (eager, comp))
+            assert got.shape == want.shape == (width, eager.vocab_size)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        start += width
+    assert len(stances) == 12 and all(k.get("skip_guard_eval_unsafe") for k in stances)
+
 
 
 def test_greedy_output_with_compiled_passes_equals_plain_eager(narrow):

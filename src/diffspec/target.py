@@ -413,8 +413,9 @@ class Target(TargetBase):
             ids = ids.clone()
         if self.fixed_cache and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are no longer read
-        out = self.compiled.fn(input_ids=ids.view(1, width), past_key_values=self._cache, use_cache=True,
-                               output_hidden_states=True, logits_to_keep=self._no_logits if screen else 0)
+        out = self.compiled.run((width, screen), input_ids=ids.view(1, width), past_key_values=self._cache,
+                                use_cache=True, output_hidden_states=True,
+                                logits_to_keep=self._no_logits if screen else 0)
         if self.fixed_cache:
             self._length = start + n
             if width > n:
