@@ -50,9 +50,9 @@ over the whole capacity; `benchmarks/results/issue19_engine/fixed_vs_dynamic_avx
 asks for the other anywhere; the tests run it on a CPU).
 
 Guards: dynamo checks ~5,000 guards (model, cache, arguments) before every call of a compiled function,
-~2 ms of a 32 ms one-row pass on a 2-core CPU. Symbolic-length graphs evaluate a pass key's guards on its
-first call only, then skip all but those that tell the graphs apart (CompiledPasses.run); static-shape
-graphs keep them all.
+~2 ms of a 32 ms one-row pass on a 2-core CPU. Symbolic-length graphs evaluate a pass key's guards in
+full on its first call only, then skip those on the model's parameters, modules and config
+(CompiledPasses.run); static-shape graphs keep them all.
 
 Drafters: the block-diffusion and conditioned drafters follow the target's mode for their own steady-state
 pass (drafters/compile_choice.py).
@@ -176,22 +176,36 @@ class CompiledPasses:
     def skips_steady_guards(self) -> bool:
         """Symbolic-length graphs (a CPU's): see `run`. Not static shapes: there the cache's capacity is a
         shape, and a request that outgrows it must meet the guards that send it to another graph."""
-        return self.fn is not None and not self.fixed_shapes and SKIP_STEADY_GUARDS
+        return (self.fn is not None and not self.fixed_shapes and SKIP_STEADY_GUARDS
+                and hasattr(torch.compiler, "set_stance"))  # torch >= 2.6
 
     def run(self, key: tuple, **kwargs):
-        """The compiled forward on `kwargs`. `key` names everything of the call that the graph was traced
-        for and that may change between calls (the width, whether the head runs). A key's first call
-        evaluates dynamo's guards (and compiles where none matches); later calls of a key that ran before
-        skip them (torch's `skip_guard_eval_unsafe` stance, which keeps only the guards that tell the
-        function's graphs apart, e.g. the width): ~5000 guards, 1.5-2 ms of a 32 ms one-row pass on a
-        2-core CPU. Sound because nothing else a guard checks changes between our calls: the model and
-        its weights are fixed, the cache is our position-indexed one (its length symbolic: requests of
-        any length and capacity, rollbacks and storage offsets compile nothing after the first call,
-        tests/test_compiled.py), sliding-window models are refused (check_compilable), and Target.forward
-        always runs under inference mode."""
+        """The compiled forward on `kwargs`. `key` names what of the call the graph was traced for and may
+        change between calls: the width, whether the head runs, the attention implementation and the matmul
+        plan installed. A key's first call evaluates all of dynamo's guards (and compiles where no graph
+        matches); later calls of a key that ran before use torch's `skip_guard_eval_unsafe` stance, which
+        skips the guards that never failed on the model's parameters, modules and config and keeps the
+        rest: guards on the other tensors (the cache's buffers, the ids), global state (grad and inference
+        mode), symbolic shapes, and every guard that once failed (the width's). ~5000 guards checked in
+        full cost 1.5-2 ms of a 32 ms one-row pass on a 2-core CPU. A call that matches no graph under the
+        stance raises before running anything; it then runs again with every guard evaluated (and
+        compiles: torch._dynamo.reset(), a cache that would have grown inside the graph). What is skipped
+        does not change between our calls: the model's weights and modules are fixed once the target is
+        built (its kernels and attention are in the key), and sliding-window models are refused
+        (check_compilable)."""
+        global SKIP_STEADY_GUARDS
         if key in self.guarded:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self.fn(**kwargs)
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self.fn(**kwargs)
+            except TypeError as e:  # a torch without the stance: guards evaluated on every call
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+                SKIP_STEADY_GUARDS = False
+            except RuntimeError as e:  # no graph matched: evaluate every guard, compile if need be
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+            self.guarded.discard(key)
         out = self.fn(**kwargs)
         if self.skips_steady_guards:
             self.guarded.add(key)

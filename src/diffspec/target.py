@@ -405,15 +405,13 @@ class Target(TargetBase):
         the padding rows' cache positions are cut off after the pass. Every layer's hidden states
         are returned, so all callers share one graph per width."""
         n, start = ids.shape[0], self.cache_len
-        if width > n:
-            if not self.fixed_cache:
-                reserve_cache(self._cache, start + width)  # the padding must not grow the cache inside the graph
-            ids = torch.cat((ids, ids[-1:].expand(width - n)))
-        else:
-            ids = ids.clone()
+        if not self.fixed_cache:  # a cache that grows inside the graph is another graph (its guards fail): make room first
+            reserve_cache(self._cache, start + width)
+        ids = torch.cat((ids, ids[-1:].expand(width - n))) if width > n else ids.clone()
         if self.fixed_cache and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are no longer read
-        out = self.compiled.run((width, screen), input_ids=ids.view(1, width), past_key_values=self._cache,
+        key = (width, screen, self.model.config._attn_implementation, id(self.linear_plan))
+        out = self.compiled.run(key, input_ids=ids.view(1, width), past_key_values=self._cache,
                                 use_cache=True, output_hidden_states=True,
                                 logits_to_keep=self._no_logits if screen else 0)
         if self.fixed_cache:
