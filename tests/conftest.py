@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share two cores. OpenMP threads that wait by spinning (the default) take the other
+    # worker's core: llama.cpp's two-thread tests ran 3-10x slower beside a busy worker (179 s against 62
+    # with passive waiting, benchmarks/results/issue15_test_suite/omp_wait_policy_amx.txt). Read by the
+    # OpenMP runtime when it loads, so before torch is imported. Tests only: a process alone keeps spinning.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
