@@ -10,13 +10,13 @@ DynamicCache with stock kernels ("before", the cache issue 19 replaced).
 """
 import json
 import sys
-import time
 
 import torch
 from transformers import DynamicCache
 
 from diffspec import kernels as K
 from diffspec.target import Target
+from passes import greedy_choices, median_pass_ms, on_context
 
 torch.set_num_threads(2)
 t = Target.load(None, quiet=False, kernels="auto")
@@ -29,19 +29,8 @@ ctx = 256
 
 
 def measure(k, reps=5, dynamic=False):
-    t.reset()
-    if dynamic:
-        t._cache = DynamicCache(config=t.model.config)
-    t.reserve(ctx + 80)
-    t.forward(ids[:ctx], logits=False)
-    ts = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        t.forward(ids[ctx:ctx + k + 1]).greedy_tokens()
-        ts.append(time.perf_counter() - t0)
-        t.truncate(ctx)
-    ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3
+    on_context(t, ids, ctx, cache=DynamicCache(config=t.model.config) if dynamic else None)
+    return median_pass_ms(t, ids, ctx, k, reps, read=greedy_choices)[0]
 
 
 res = {}

@@ -7,12 +7,12 @@ greedy choices read, median of 9 passes per turn, min over 4 turns; the choices 
 import argparse
 import json
 import subprocess
-import time
 
 import torch
 
 import diffspec.compiled as C
 from diffspec.target import Target
+from passes import greedy_choices, median_pass_ms, on_context
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -28,17 +28,8 @@ ctx = 256
 def measure(k, skip, reps=9):
     C.SKIP_STEADY_GUARDS = skip
     t.compiled.guarded.clear()
-    t.reset()
-    t.reserve(ctx + 40)
-    t.forward(ids[:ctx], logits=False)
-    ts = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        choice = t.forward(ids[ctx:ctx + k + 1]).greedy_tokens()
-        ts.append(time.perf_counter() - t0)
-        t.truncate(ctx)
-    ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3, choice
+    on_context(t, ids, ctx, room=40)
+    return median_pass_ms(t, ids, ctx, k, reps, read=greedy_choices)
 
 
 res = {}

@@ -1,4 +1,4 @@
-"""What the verify-cost A/B scripts of this folder (ab3, ab4, ab5, ab_gqa) share: a target put on a
+"""What the verify-cost A/B scripts of this folder (ab2, ab3, ab4, ab5, ab_gqa, ab_skip_guards) share: a target put on a
 fresh context, and the median time of one pass of k + 1 rows on it."""
 import time
 from contextlib import nullcontext
@@ -13,15 +13,24 @@ def on_context(t, ids, ctx, room=80, cache=None):
     t.forward(ids[:ctx], logits=False)
 
 
-def median_pass_ms(t, ids, ctx, k, reps=5, each=nullcontext):
+def logits(out):
+    return out.logits
+
+
+def greedy_choices(out):
+    return out.greedy_tokens()
+
+
+def median_pass_ms(t, ids, ctx, k, reps=5, each=nullcontext, read=logits):
     """Median ms of `reps` passes over ids[ctx:ctx + k + 1] after one warm-up pass, each rolled back to
-    ctx; `each()` is entered around each (timed) pass. -> (ms, the last pass's logits)."""
-    ts, logits = [], None
+    ctx; `each()` is entered around each (timed) pass, whose output `read` reads inside the timing (the
+    logits, or `greedy_choices` as the engine reads a greedy verify pass). -> (ms, the last pass's read)."""
+    ts, last = [], None
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         with each():
-            logits = t.forward(ids[ctx:ctx + k + 1]).logits
+            last = read(t.forward(ids[ctx:ctx + k + 1]))
         ts.append(time.perf_counter() - t0)
         t.truncate(ctx)
     ts = sorted(ts[1:])
-    return ts[len(ts) // 2] * 1e3, logits
+    return ts[len(ts) // 2] * 1e3, last
