@@ -10,7 +10,8 @@ from conftest import make_model, reference_greedy
 from helpers import RandomDrafter, ScriptedDrafter
 from diffspec import AutoregressiveDrafter, FixedPolicy, PromptLookupDrafter, SpeculativeEngine, Target
 from diffspec.costs import CostTable, DraftCost, fit_draft_cost
-from diffspec.drafters import CombinedDrafter, make_drafter
+from diffspec.drafters import CombinedDrafter
+from diffspec.drafter_names import make_drafter
 from diffspec.errors import DiffspecError
 from diffspec.policies import AutoPolicy, LengthPolicy, make_policy
 from diffspec.policies.acceptance import AcceptanceCounts, AcceptanceModel

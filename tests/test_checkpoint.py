@@ -10,8 +10,8 @@ from test_diffusion_drafters import conditioned_for, dllm
 from test_errors import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.checkpoint import load_drafter, save_drafter
-from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, MaskedDiffusionConfig,
-                               MaskedDiffusionDrafter, make_drafter)
+from diffspec.drafter_names import make_drafter
+from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter, MaskedDiffusionConfig, MaskedDiffusionDrafter
 
 
 def drafts(drafter, target, context, policy=None):
@@ -168,12 +168,12 @@ def test_fp16_storage_keeps_token_ids_exact(tmp_path, target):
 def test_auto_takes_a_shipped_drafter_only_when_its_folder_says_default(tmp_path, monkeypatch):
     import json
 
-    from diffspec import checkpoint
-    from diffspec.drafters import default_drafter_name
+    from diffspec import drafter_names
+    from diffspec.drafter_names import default_drafter_name
 
     folder = tmp_path / "conditioned"
     folder.mkdir()
-    monkeypatch.setattr(checkpoint, "shipped_drafter_path", lambda target, kind: folder if kind == "conditioned" else None)
+    monkeypatch.setattr(drafter_names, "shipped_drafter_path", lambda target, kind: folder if kind == "conditioned" else None)
     for flag, expected in ((None, "prompt-lookup"), (False, "prompt-lookup"), (True, "conditioned")):
         meta = {"kind": "conditioned"} if flag is None else {"kind": "conditioned", "default": flag}
         (folder / "config.json").write_text(json.dumps({"diffspec": meta}))

@@ -28,8 +28,9 @@ from diffspec.bench.specs import build_runner, parse_method
 from diffspec.checkpoint import load_drafter, save_drafter
 from diffspec.dflash_format import export_dflash, without_draft_vocab
 from diffspec.dflash_layout import unsupported_features
+from diffspec.drafter_names import make_drafter
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
-                               ConditionedDraftModel, make_drafter)
+                               ConditionedDraftModel)
 
 CONTEXT = [5, 9, 13, 7, 22, 5, 9, 31, 40, 12, 8, 5]
 

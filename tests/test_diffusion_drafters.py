@@ -446,7 +446,7 @@ def test_block_drafter_auto_dtype_really_times_a_step_and_leaves_no_state(target
 
 def test_drafter_dtype_errors(target):
     from diffspec import DiffspecError, load_engine
-    from diffspec.drafters import make_drafter
+    from diffspec.drafter_names import make_drafter
 
     with pytest.raises(DiffspecError, match="applies to the conditioned and block-diffusion drafters"):
         make_drafter("prompt-lookup", target, compute_dtype="bfloat16")

@@ -15,7 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 from diffspec.backends import check_backend_settings, load_target
-from diffspec.drafters import PromptLookupDrafter, make_drafter
+from diffspec.drafters import PromptLookupDrafter
+from diffspec.drafter_names import make_drafter
 from diffspec.engine import SpeculativeEngine
 from diffspec.errors import DiffspecError
 from diffspec.policies import make_policy

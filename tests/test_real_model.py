@@ -113,7 +113,8 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol, expected
 
     from diffspec import make_drafter
     from diffspec.checkpoint import shipped_drafter_path
-    from diffspec.drafters import ConditionedDrafter, default_drafter_name
+    from diffspec.drafters import ConditionedDrafter
+    from diffspec.drafter_names import default_drafter_name
 
     path = shipped_drafter_path(smol.name, "conditioned")
     assert path is not None, "no shipped drafter for the default target"

@@ -193,7 +193,9 @@ def test_bad_requests_are_named_before_the_model_loads(tmp_path, store, monkeypa
                        ({"seq_len": 4}, "no room"), ({"slot_decay": 0.0}, "slot-decay"),
                        ({"kind": "eagle"}, "unknown drafter kind"), ({"kind": "block", "feature_cache": True}, "feature-cache"),
                        ({"data_fraction": 1.5}, "data-fraction"), ({"kind": "block", "off_path_slots": True}, "off-path"),
-                       ({"objective": "corpus", "off_path_slots": True}, "off-path")):
+                       ({"objective": "corpus", "off_path_slots": True}, "off-path"),
+                       ({"fc_init": "identity"}, "unknown --fc-init"), ({"kind": "block", "fc_init": "random"}, "fc-init"),
+                       ({"init_from_target": False, "fc_init": "lowest-layer"}, "fc-init")):
         with pytest.raises(DiffspecError, match=match):
             train_drafter(request(tmp_path, "nowhere", store, **{"steps": 1, **bad}))
 
@@ -443,6 +445,39 @@ def test_init_drafter_continues_from_a_trained_drafter(tmp_path, tiny_model_dir,
     with pytest.raises(DiffspecError, match="applies to --kind conditioned"):
         train_drafter(request(tmp_path / "c", tiny_model_dir, store, steps=1, kind="block",
                               init_drafter=str(tmp_path / "a" / "drafter")))
+
+
+def test_fc_init_passes_the_lowest_target_layer_through(tmp_path, tiny_model_dir, store):
+    """--fc-init lowest-layer: fc maps the concatenated features [layer a; layer b; ...] to the features of the
+    lowest layer exactly (whatever the order of target_layer_ids), the rest of fc starts at zero, and the run
+    records it; `random` leaves fc as drawn (a seeded draw, so the two runs differ in fc only); lowest-layer is
+    the default."""
+    from diffspec.drafters.conditioned import ConditionedConfig, ConditionedDraftModel
+    from diffspec.training.conditioned import pass_lowest_layer_through
+
+    cfg = ConditionedConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                            intermediate_size=16, num_target_layers=6, target_layer_ids=(3, 1, 5), vocab_size=20,
+                            mask_token_id=0)
+    model = ConditionedDraftModel(cfg)
+    assert pass_lowest_layer_through(model) == 1
+    features = torch.randn(5, 24)
+    assert torch.equal(model.fc(features), features[:, 8:16])
+    assert model.fc.weight[:, :8].abs().sum() == 0 and model.fc.weight[:, 16:].abs().sum() == 0
+
+    runs = {}
+    for fc_init in ("random", "lowest-layer"):
+        record = train_drafter(request(tmp_path / fc_init, tiny_model_dir, store, steps=1, lr=1e-12, fc_init=fc_init))
+        runs[fc_init] = load_drafter(tmp_path / fc_init / "drafter").model
+        assert ("fc_init" in record) == (fc_init == "lowest-layer")
+    default = train_drafter(request(tmp_path / "default", tiny_model_dir, store, steps=1, lr=1e-12))
+    assert default["fc_init"].startswith("lowest-layer")
+    h, lowest = runs["random"].cfg.hidden_size, runs["random"].cfg.target_layer_ids.index(min(runs["random"].cfg.target_layer_ids))
+    passed = runs["lowest-layer"].fc.weight.float()
+    assert torch.allclose(passed[:, lowest * h:(lowest + 1) * h], torch.eye(h), atol=1e-3)
+    assert not torch.allclose(runs["random"].fc.weight.float(), passed, atol=1e-3)
+    for (name, p), (_, q) in zip(runs["random"].state_dict().items(), runs["lowest-layer"].state_dict().items()):
+        if not name.startswith("fc."):
+            assert torch.allclose(p.float(), q.float(), atol=1e-3), name
 
 
 @pytest.mark.parametrize("feature_cache", [False, True])

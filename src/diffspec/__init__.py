@@ -1,7 +1,8 @@
 """diffspec: lossless speculative decoding for autoregressive LMs, drafted by diffusion LMs."""
 
 from .api import generate, load_engine
-from .drafters import AutoregressiveDrafter, Drafter, DrafterCapabilities, PromptLookupDrafter, make_drafter
+from .drafters import AutoregressiveDrafter, Drafter, DrafterCapabilities, PromptLookupDrafter
+from .drafter_names import make_drafter
 from .engine import GenerationStream, SpeculativeEngine
 from .errors import DiffspecError
 from .policies import FailFastPolicy, FixedPolicy, LengthPolicy, make_policy

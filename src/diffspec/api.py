@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from .backends import asks_for_transformers, auto_keeps, check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
-from .drafters import check_drafter_dtype, make_drafter
+from .drafter_names import check_drafter_dtype, make_drafter
 from .engine import Prompt, SpeculativeEngine
 from .policies import LengthPolicy, make_policy
 from .types import GenerationResult, SamplingParams

@@ -34,7 +34,7 @@ from .errors import DiffspecError
 
 def build_parser() -> argparse.ArgumentParser:
     from .api import DEFAULT_DRAFTER, DEFAULT_POLICY
-    from .drafters import DRAFTER_NAMES
+    from .drafter_names import DRAFTER_NAMES
     from .models import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="diffspec", description="Lossless speculative decoding.")
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this conditioned drafter's weights and shape (a folder, or 'shipped': the one "
                         "that ships for the target) instead of the target's first layers; its block size may differ")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
+    t.add_argument("--fc-init", default=None, choices=["random", "lowest-layer"],
+                   help="conditioned kind from the target: the feature projection fc passing the lowest target "
+                        "layer's features through (lowest-layer, default: the copied layers then read a residual "
+                        "stream; learns faster from scratch), or random")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
     t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -332,6 +336,7 @@ def _train(args) -> int:
                        seed=args.seed, device=args.device, train_dtype=args.train_dtype,
                        feature_cache=args.feature_cache, resume=args.resume, draft_vocab=args.draft_vocab,
                        init_from_target=not args.no_init_from_target, init_drafter=args.init_drafter,
+                       fc_init=args.fc_init,
                        held_out=args.held_out,
                        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, eval_anchors=args.eval_anchors,
                        data_fraction=args.data_fraction)
@@ -408,11 +413,11 @@ def _make_data(args) -> int:
 
 def _generate(args) -> int:
     from .api import load_engine
-    from .drafters import DRAFTER_NAMES
+    from .drafter_names import DRAFTER_NAMES
     from .types import SamplingParams, format_histogram
 
     if args.list_drafters:
-        from .drafters import TRAINABLE_KINDS, weights_for
+        from .drafter_names import TRAINABLE_KINDS, weights_for
         from .models import DEFAULT_MODEL
 
         target_name = args.model or DEFAULT_MODEL
@@ -501,7 +506,7 @@ def _export(args) -> int:
     from .checkpoint import _read_config, shipped_drafter_path
     from .dflash_format import export_dflash
     from .hub import hub_folder, looks_like_hub_id
-    from .drafters import TRAINABLE_KINDS, make_drafter
+    from .drafter_names import TRAINABLE_KINDS, make_drafter
     from .target import Target
 
     out = Path(args.out)
@@ -527,7 +532,7 @@ def _export(args) -> int:
 
 
 def _eval_drafter(args) -> int:
-    from .drafters import make_drafter
+    from .drafter_names import make_drafter
     from .evaluation import check_eval_args, evaluate_drafter, write_health
     from .target import Target
 

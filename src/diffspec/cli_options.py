@@ -35,7 +35,7 @@ def _looks_like_path(text: str) -> bool:
 def check_eval_drafter_spec(spec: str) -> None:
     """Refuse, before any model loads, a drafter argument that cannot name a drafter to evaluate."""
     from .checkpoint import PRESETS
-    from .drafters import DRAFTER_NAMES
+    from .drafter_names import DRAFTER_NAMES
     from .hub import looks_like_hub_id
 
     names = ", ".join(n for n in DRAFTER_NAMES if n != "none")

@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import _kind_of, save_drafter
 from .dflash_layout import is_dflash_folder
+from .drafter_names import make_drafter
 from .hub import hub_folder, looks_like_hub_id
 from .drafters.conditioned import ConditionedDrafter, ConditionedDraftModel
 from .errors import DiffspecError
@@ -84,8 +85,6 @@ def reference_folder(spec: str, target, scratch) -> Path:
     """A folder the reference package loads with exactly the weights diffspec runs for `spec`:
     a DFlash folder as it is; anything else (a name, a diffspec folder, a hub id) is loaded by
     diffspec and exported in float32 to `scratch` (refused as export_dflash refuses)."""
-    from .drafters import make_drafter
-
     path = Path(spec).expanduser()
     if path.is_dir() and is_dflash_folder(path):
         return path

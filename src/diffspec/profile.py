@@ -129,7 +129,7 @@ def check_profile_args(dtype: str = "float32", max_context: Optional[int] = None
                        drafter: Optional[str] = None, drafter_dtype: Optional[str] = "auto") -> None:
     """Refuse bad arguments by name (the CLI calls this before the model loads)."""
     from .devices import parse_dtype
-    from .drafters import check_drafter_dtype
+    from .drafter_names import check_drafter_dtype
 
     parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)
@@ -187,7 +187,7 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
                             f"to {max(VERIFY_KS)} tokens needs at least {MIN_CONTEXT}")
     if isinstance(drafter, str):
         check_drafter_spec(drafter)
-        from .drafters import make_drafter
+        from .drafter_names import make_drafter
 
         drafter = make_drafter(drafter, target, dtype=target.dtype, device=str(target.device),
                                compute_dtype=drafter_dtype, combine=True)

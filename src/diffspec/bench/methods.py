@@ -59,7 +59,8 @@ def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str =
     `combine`: drafter `auto` may resolve to a combination (make_drafter's `combine`)."""
 
     def build(target, values: dict) -> Runner:
-        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter, make_drafter, set_compute_dtype
+        from ..drafters import MaskedDiffusionDrafter, PromptLookupDrafter
+        from ..drafter_names import make_drafter, set_compute_dtype
         from ..engine import SpeculativeEngine
         from ..policies import make_policy
 
@@ -135,7 +136,7 @@ _GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)"
 
 
 def _check_drafter_dtype(value: str) -> None:
-    from ..drafters import check_drafter_dtype
+    from ..drafter_names import check_drafter_dtype
 
     check_drafter_dtype(value)
 

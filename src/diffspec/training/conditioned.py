@@ -34,6 +34,24 @@ def init_from_target(model: ConditionedDraftModel, target_model) -> int:
     return copied
 
 
+FC_INITS = ("random", "lowest-layer")
+
+
+def pass_lowest_layer_through(model: ConditionedDraftModel) -> int:
+    """`fc` (target features of several layers, concatenated -> the width) set to pass the features of the
+    lowest target layer through unchanged, the other layers' weights zero (they still get gradients and
+    learn). With layers copied from the target's first ones (init_from_target), the drafter's context
+    keys and values then start from a residual stream those layers read, instead of from a random
+    projection that training must first undo. -> the index of the layer passed through."""
+    h = model.cfg.hidden_size
+    ids = list(model.cfg.target_layer_ids)
+    lowest = ids.index(min(ids))
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, lowest * h:(lowest + 1) * h].copy_(torch.eye(h, dtype=model.fc.weight.dtype))
+    return ids[lowest]
+
+
 def response_token_counts(sequences: Sequence[tuple], vocab_size: int) -> torch.Tensor:
     """How often each token occurs in the responses of [(ids, prompt_len)] -> [vocab_size] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.long)

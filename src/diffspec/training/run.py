@@ -37,7 +37,8 @@ from ..timing import min_seconds
 from .anchored import AnchoredLoss
 from .batches import PaddedBatch, epoch_batches, pad_batch, rank_share, sample_anchors, target_features
 from .block import BlockDiffusionLoss, make_block_body, noise_batch
-from .conditioned import choose_draft_vocab, draft_vocab_coverage, init_from_target, lr_at, response_token_counts
+from .conditioned import (FC_INITS, choose_draft_vocab, draft_vocab_coverage, init_from_target, lr_at,
+                          pass_lowest_layer_through, response_token_counts)
 from .distributed import World, all_max, all_sum, barrier, join_world, leave_world, wrap
 
 
@@ -77,6 +78,7 @@ class TrainRequest:
     mask_token_id: Optional[int] = None
     draft_vocab: Optional[int] = None   # draft tokens (0 = the full vocabulary; None: 8192, or init_drafter's)
     init_from_target: bool = True
+    fc_init: Optional[str] = None       # conditioned kind from the target: fc lowest-layer or random (None: DEFAULT_FC_INIT)
     init_drafter: Optional[str] = None  # start from this conditioned drafter (a folder, or 'shipped'): its shape and weights
     held_out: int = 64                  # store sequences held out (at most; ~5% of a small store)
     eval_prompts: int = 10              # health check: prompts per evaluation set (0: skip)
@@ -88,7 +90,7 @@ class TrainRequest:
 # what a resumed run must share with the run that wrote the checkpoint (the batches, anchors and model depend on them)
 RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
                  "objective", "off_path_slots", "draft_vocab", "held_out", "init_drafter")
-DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB = 2, 8192
+DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB, DEFAULT_FC_INIT = 2, 8192, "lowest-layer"
 DISTILL_TOP_K = 32  # --objective distill: the target's K most likely tokens per position (renormalised) are the label
 
 
@@ -105,6 +107,12 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"unknown objective '{req.objective}' (choose from: corpus, distill, target)")
     if req.objective == "distill" and req.kind != "conditioned":
         raise DiffspecError("--objective distill applies to --kind conditioned (the block kind trains on hard labels)")
+    if req.fc_init is not None:
+        if req.fc_init not in FC_INITS:
+            raise DiffspecError(f"unknown --fc-init '{req.fc_init}' (choose from: {', '.join(FC_INITS)})")
+        if req.kind != "conditioned" or req.init_drafter is not None or not req.init_from_target:
+            raise DiffspecError("--fc-init applies to --kind conditioned started from the target (not with "
+                                "--init-drafter or --no-init-from-target)")
     if req.off_path_slots and (req.kind != "conditioned" or req.objective == "corpus"):
         raise DiffspecError("--off-path-slots applies to --kind conditioned with --objective target or distill (the "
                             "block kind sees the data's tokens in its block; corpus labels are the data itself)")
@@ -261,6 +269,8 @@ class ConditionedTrainer:
             if ids is not None:
                 self.model.draft_token_ids.copy_(ids)
             copied = init_from_target(self.model, target.model) if req.init_from_target else 0
+            if req.init_from_target and (req.fc_init or DEFAULT_FC_INIT) == "lowest-layer":
+                self.record["fc_init"] = f"lowest-layer (target layer {pass_lowest_layer_through(self.model)})"
         self.layer_ids = cfg.target_layer_ids
         self.embed_weight = target.model.get_input_embeddings().weight.detach()
         self.head_weight = target.model.get_output_embeddings().weight.detach()

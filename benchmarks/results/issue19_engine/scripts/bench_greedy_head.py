@@ -16,7 +16,7 @@ import time
 import torch
 
 from diffspec.bench.prompts import load_bench_prompts
-from diffspec.drafters import make_drafter
+from diffspec.drafter_names import make_drafter
 from diffspec.engine import SpeculativeEngine
 from diffspec.models import load_model_and_tokenizer
 from diffspec.policies import make_policy
