@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .api import DEFAULT_DRAFTER, DEFAULT_POLICY
     from .drafter_names import DRAFTER_NAMES
     from .models import DEFAULT_MODEL
+    from .training.conditioned import FC_INITS
 
     parser = argparse.ArgumentParser(prog="diffspec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this conditioned drafter's weights and shape (a folder, or 'shipped': the one "
                         "that ships for the target) instead of the target's first layers; its block size may differ")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
-    t.add_argument("--fc-init", default=None, choices=["random", "lowest-layer"],
+    t.add_argument("--fc-init", default=None, choices=FC_INITS,
                    help="conditioned kind from the target: the feature projection fc passing the lowest target "
                         "layer's features through (lowest-layer, default: the copied layers then read a residual "
                         "stream; learns faster from scratch), or random")

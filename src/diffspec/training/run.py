@@ -268,9 +268,11 @@ class ConditionedTrainer:
             self.model = ConditionedDraftModel(cfg).to(device)
             if ids is not None:
                 self.model.draft_token_ids.copy_(ids)
-            copied = init_from_target(self.model, target.model) if req.init_from_target else 0
-            if req.init_from_target and (req.fc_init or DEFAULT_FC_INIT) == "lowest-layer":
-                self.record["fc_init"] = f"lowest-layer (target layer {pass_lowest_layer_through(self.model)})"
+            copied = 0
+            if req.init_from_target:
+                copied = init_from_target(self.model, target.model)
+                if (req.fc_init or DEFAULT_FC_INIT) == "lowest-layer":
+                    self.record["fc_init"] = f"lowest-layer (target layer {pass_lowest_layer_through(self.model)})"
         self.layer_ids = cfg.target_layer_ids
         self.embed_weight = target.model.get_input_embeddings().weight.detach()
         self.head_weight = target.model.get_output_embeddings().weight.detach()
