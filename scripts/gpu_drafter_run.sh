@@ -6,9 +6,9 @@
 # packages, and takes at most 64 MiB per call; so, HERE first:
 #   bash scripts/gpu_drafter_run.sh prepare      # writes .gpu/ and .whl/ (both in .gitignore)
 # then through the `device` tool (each call within 30 s of the last, or the machine goes back):
-#   run(command="bash scripts/gpu_drafter_run.sh stash 0", carry=[".gpu/part0"])
-#   run(command="bash scripts/gpu_drafter_run.sh stash 1", carry=[".gpu/part1"])
-#   run(command="bash scripts/gpu_drafter_run.sh start",   carry=[".gpu/part2", ".gpu/rest", ".whl"])
+#   run(command="bash scripts/gpu_drafter_run.sh stash 0", carry=[".gpu/part0", "src/diffspec/weights"])
+#   run(command="bash scripts/gpu_drafter_run.sh stash 1", carry=[".gpu/part1", ".whl"])
+#   run(command="bash scripts/gpu_drafter_run.sh start",   carry=[".gpu/part2", ".gpu/rest"])
 #   run(command="bash scripts/gpu_drafter_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
 #   run(command="bash scripts/gpu_drafter_run.sh collect")    # results.tgz + weights into $OUT (any time:
 #                                                             # it packs what exists, drafters first)
@@ -45,6 +45,8 @@ with gzip.open(".gpu/rest/corpus.jsonl.gz", "wt") as f:
 print(len(convs), "conversations,", dropped, "dropped for evaluation overlap")
 EOF
   du -sh .gpu/* .whl ;;
+restore)  # after the lease: benchmarks/results and the weights back in git's index (scripts/gpu_transfer.sh)
+  gpu_restore ;;
 stash)
   gpu_stash $2 ;;
 start)
@@ -93,5 +95,5 @@ collect)
   bash $0 pack; cp $G/pack/results.tgz $G/pack/cond.* $OUT/ 2>/dev/null; ls -la $OUT ;;
 dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
   gpu_dry_run $0 ;;
-*) echo "usage: $0 prepare|stash N|start|wait [S]|pack|collect|dry-run" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|restore|stash N|start|wait [S]|pack|collect|dry-run" >&2; exit 2 ;;
 esac

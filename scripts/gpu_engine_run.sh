@@ -10,9 +10,9 @@
 # and takes at most 64 MiB per call; so, HERE first:
 #   bash scripts/gpu_engine_run.sh prepare      # writes .gpu/ and .whl/ (both in .gitignore)
 # then through the `device` tool (each call within 30 s of the last, or the machine goes back):
-#   run(command="bash scripts/gpu_engine_run.sh stash 0", carry=[".gpu/part0"])
-#   run(command="bash scripts/gpu_engine_run.sh stash 1", carry=[".gpu/part1"])
-#   run(command="bash scripts/gpu_engine_run.sh start",   carry=[".gpu/part2", ".gpu/rest", ".whl"])
+#   run(command="bash scripts/gpu_engine_run.sh stash 0", carry=[".gpu/part0", "src/diffspec/weights"])
+#   run(command="bash scripts/gpu_engine_run.sh stash 1", carry=[".gpu/part1", ".whl"])
+#   run(command="bash scripts/gpu_engine_run.sh start",   carry=[".gpu/part2", ".gpu/rest"])
 #   run(command="bash scripts/gpu_engine_run.sh wait 540")   # repeat until 'all done' (or 'FAILED')
 #   run(command="bash scripts/gpu_engine_run.sh collect")    # the records into $OUT
 # BENCH_N (prompts per set, default 10) and BENCH_S (seconds, default 600) bound the bench; COMPILE_S
@@ -30,6 +30,8 @@ prepare)  # on the development machine (needs the packages from scripts/setup.sh
   set -e
   gpu_prepare
   du -sh .gpu/* .whl ;;
+restore)  # after the lease: benchmarks/results and the weights back in git's index (scripts/gpu_transfer.sh)
+  gpu_restore ;;
 stash)
   gpu_stash $2 ;;
 start)
@@ -64,5 +66,5 @@ collect)
   cd $G/out && tar czf $OUT/issue19_gpu.tgz --exclude='*.png' . && ls -la $OUT ;;
 dry-run)  # here, after prepare: the same steps as the device calls, on this machine ($DEVICE, $G)
   gpu_dry_run $0 ;;
-*) echo "usage: $0 prepare|stash N|start|wait [S]|collect|dry-run" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|restore|stash N|start|wait [S]|collect|dry-run" >&2; exit 2 ;;
 esac

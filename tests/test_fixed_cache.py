@@ -252,4 +252,9 @@ def test_cuda_graphs_replay_the_eager_passes_and_never_hand_out_replayed_memory(
     for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(70, seed=4)):
         engine = SpeculativeEngine(comp, drafter, make_policy("fixed", gamma=2))
         assert engine.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    # drafts built on the CPU (these drafters' default) against a CUDA target, sampled too: q rows and ids
+    # meet the target's rows on its device (a greedy round crashed on an H200 before Draft.to)
+    sampled = SpeculativeEngine(comp, RandomDrafter(70, seed=4, with_probs=True), make_policy("fixed", gamma=2))
+    out = sampled.generate(prompt, max_new_tokens=30, stop_token_ids=[], sampling=SamplingParams(temperature=1.0, seed=3))
+    assert len(out.token_ids) == 30 and out.drafted_tokens > 0
     assert int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]) == 0

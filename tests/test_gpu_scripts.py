@@ -33,7 +33,7 @@ def diffspec_commands(text: str) -> list:
 
 
 def test_the_gpu_scripts_exist_and_name_commands():
-    assert {p.name for p in SCRIPTS} >= {"gpu_drafter_run.sh", "gpu_engine_run.sh"}
+    assert {p.name for p in SCRIPTS} >= {"gpu_drafter_run.sh", "gpu_engine_run.sh", "gpu_one_lease_run.sh"}
     for path in SCRIPTS:
         assert diffspec_commands(path.read_text()), path.name
 

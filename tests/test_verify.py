@@ -4,6 +4,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
+from diffspec.types import Draft
 from diffspec.verify import verify_greedy, verify_rejection
 
 
@@ -93,3 +94,15 @@ def test_the_statistical_test_detects_a_wrong_sampler():
     draws = torch.multinomial(q[0], 20000, replacement=True, generator=gen)
     counts = np.bincount(draws.numpy(), minlength=8)
     assert chisquare(counts, p[0].numpy() * 20000).pvalue < 1e-6
+
+
+def test_a_draft_moves_to_the_targets_device_with_its_q_rows():
+    """The engine moves each draft to the target's device before verifying (a drafter may build it on the
+    CPU; a CUDA target's rows are on CUDA: a greedy round crashed there before). 'meta' stands in for a
+    second device on a CPU-only machine."""
+    draft = Draft(torch.tensor([3, 4]), torch.full((2, 5), 0.2), torch.tensor([0.9, 0.8]), 1, "x")
+    assert draft.to("cpu") is draft
+    moved = draft.to("meta")
+    assert moved.tokens.device.type == "meta" and moved.probs.device.type == "meta"
+    assert (moved.forward_passes, moved.source, moved.tokens.shape, moved.probs.shape) == (1, "x", (2,), (2, 5))
+    assert Draft(torch.tensor([3]), None, torch.tensor([0.5])).to("meta").probs is None

@@ -135,6 +135,19 @@ def allow_graphs(count: int) -> None:
         dynamo_config.recompile_limit = count
 
 
+def math_attention():
+    """Graphs over the fixed-capacity cache attend to the whole capacity under a mask. In float32, SDPA's
+    dispatcher picks the memory-efficient (cutlass) kernel for that, which tiles 64 queries: a pass of one
+    row spent 226 us a layer in it, 6.8 of its 8 ms on an H200 (benchmarks/results/issue19_engine/gpu_h200/).
+    The math backend, which inductor lowers to two small matmuls and a fused softmax, is what such narrow
+    passes want. The backend is fixed when a graph is traced (dynamo does not guard on it: a later call
+    under other flags reuses the graph), so every call of a CUDA-graph target's compiled passes, the
+    tracing one included, runs under this (CompiledPasses.run). The flags are process-wide: a second
+    thread calling SDPA at the same moment would see them too (serve runs one engine thread)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 @dataclass
 class CompiledPasses:
     """Which of a target's passes run compiled, and what compiling them cost."""
@@ -180,6 +193,12 @@ class CompiledPasses:
                 and hasattr(torch.compiler, "set_stance"))  # torch >= 2.6
 
     def run(self, key: tuple, **kwargs):
+        if self.cuda_graphs:  # see math_attention
+            with math_attention():
+                return self._run(key, **kwargs)
+        return self._run(key, **kwargs)
+
+    def _run(self, key: tuple, **kwargs):
         """The compiled forward on `kwargs`. `key` names what of the call the graph was traced for and may
         change between calls: the width, whether the head runs, the attention implementation and the matmul
         plan installed. A key's first call evaluates all of dynamo's guards (and compiles where no graph

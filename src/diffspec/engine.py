@@ -131,11 +131,12 @@ class SpeculativeEngine:
                 costs = draft.costs or ((draft.source or drafter.name, len(draft), spent),)
                 if len(draft) and draft_may_be_judged(draft, sampling):
                     draft = draft.prefix(policy.final_length(draft.confidences.tolist(), spent))
+                draft = draft.to(device)  # verification reads it beside the target's rows
             k = len(draft)
             t1 = time.perf_counter()
 
             # 2. verify: one forward pass over [last, d_1..d_k]
-            out = target.forward(torch.cat([tokens[-1:], draft.tokens.to(device)]), hidden_layers=layers)
+            out = target.forward(torch.cat([tokens[-1:], draft.tokens]), hidden_layers=layers)
 
             # 3. accept
             if sampling.greedy:

@@ -83,6 +83,14 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def to(self, device) -> "Draft":
+        """The draft with its tokens and q rows on `device` (the target's: a drafter may build them on
+        the CPU, and verification compares them with the target's rows). Itself when already there."""
+        device = torch.device(device)
+        if self.tokens.device == device and (self.probs is None or self.probs.device == device):
+            return self
+        return replace(self, tokens=self.tokens.to(device), probs=None if self.probs is None else self.probs.to(device))
+
     def prefix(self, n: int) -> "Draft":
         """The first n drafted tokens (a prefix of a draft is a valid draft: same q rows)."""
         if n >= len(self):
