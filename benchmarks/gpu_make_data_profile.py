@@ -2,14 +2,17 @@
 
 On the H200 (2026-11-26) make-data generated 7,514 tokens/s at batch 512, ~68 ms a decode step, against the
 issue's goal of 50k. This script needs no weights (a random model of SmolLM2-135M's shape, float32 as the
-target runs) and says where a step goes: the wall time of a decode step per batch size, then a profiler
-table of the steps at the widest batch, by GPU time and by CPU time (a launch-bound step shows little
-GPU time under a long CPU one).
+target runs) and says where a step goes: the wall time of a decode step per batch size, with SDPA's own
+kernel choice and with its math backend alone (compiled.math_attention: the memory-efficient kernel took
+6.8 of a CUDA-graph pass's 8 ms there, one query a row), then a profiler table of the steps at the widest
+batch (SDPA's own choice), by GPU time and by CPU time (a launch-bound step shows little GPU time under a
+long CPU one).
 
     python benchmarks/gpu_make_data_profile.py --out DIR                 # on the GPU
     python benchmarks/gpu_make_data_profile.py --device cpu --layers 2 --batches 4 --out /tmp/p   # a check
 """
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from diffspec.compiled import math_attention
 from diffspec.training.store import generate_batch
 
 
@@ -54,12 +58,14 @@ def main():
         return time.perf_counter() - t0
 
     for b in a.batches:
-        run(b, 2)  # warm-up
-        short, long = run(b, 1), run(b, 1 + a.new_tokens)  # prefill + first token; then the decode steps
-        step = (long - short) / a.new_tokens
-        report["steps"][b] = {"decode_step_ms": round(1000 * step, 2), "tokens_per_s": round(b / step, 1),
-                              "prefill_s": round(short, 3)}
-        print(b, report["steps"][b], flush=True)
+        for attention in ("default", "math"):  # SDPA's own choice, then its math backend alone
+            with (math_attention() if attention == "math" else contextlib.nullcontext()):
+                run(b, 2)  # warm-up
+                short, long = run(b, 1), run(b, 1 + a.new_tokens)  # prefill + first token; then the steps
+            step = (long - short) / a.new_tokens
+            report["steps"][f"{b} {attention}"] = {"decode_step_ms": round(1000 * step, 2),
+                                                   "tokens_per_s": round(b / step, 1), "prefill_s": round(short, 3)}
+            print(b, attention, report["steps"][f"{b} {attention}"], flush=True)
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
