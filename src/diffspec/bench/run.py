@@ -25,6 +25,7 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
+from ..cache import common_prefix_length
 from ..devices import host_info as machine_info
 from ..errors import DiffspecError
 from ..types import SamplingParams
@@ -101,10 +102,9 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    """The first index where two outputs differ (one ending first counts), or None: identical."""
+    n = common_prefix_length(a, b)
+    return None if n == len(a) == len(b) else n
 
 
 def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids, greedy) -> dict:
