@@ -132,8 +132,9 @@ def _convert(gguf: Path, out: Path, quiet: bool) -> None:
               f"(30 s to a few minutes); cached in {out}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _one_gguf_parse():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # a broken or unsupported GGUF: say which file
         raise DiffspecError(f"could not load GGUF file {gguf}: {type(e).__name__}: {e}") from e
     model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
@@ -178,7 +179,7 @@ def gguf_text_side(gguf: Path, quiet: bool = False):
                 tmp = where.with_name(where.name + f".tmp{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
-                    with _no_progress_bars():
+                    with _no_progress_bars(), _one_gguf_parse():
                         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
                         AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
                 except Exception as e:  # a broken or unsupported GGUF: say which file
@@ -208,6 +209,30 @@ def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
     if looks_like_path or path.exists():
         raise DiffspecError(f"model not found: {spec} (not a model folder or .gguf file)")
     return spec  # a hub id: needs the internet (or a populated HF cache)
+
+
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """transformers parses a GGUF's header anew for its tokenizer, for its config and for its weights (gguf's
+    GGUFReader, field by field through numpy: ~18 s each for Gemma 3's 262k-token vocabulary on a 2-core
+    CPU, most of a first conversion). Inside this, a file is parsed once: GGUFReader is memoised per path
+    (transformers imports it from `gguf` at each call and only reads it). Not for threads that load other
+    GGUFs at the same moment: they would share the memo, harmlessly but for the memory it holds."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield readers
+    finally:
+        gguf.GGUFReader = original
 
 
 @contextlib.contextmanager
