@@ -21,7 +21,7 @@
 #   run(command="bash scripts/gpu_one_lease_run.sh collect")    # records + the new drafter's fp16 weights into $OUT
 # Run once, on an H200 (2026-11-26, commit 225c29d plus the two fixes it found): the job took 19 minutes
 # (A 3, B 3.5, C 7.5, D 5: D's limit stopped the bench after 7 prompts); the lease, with the machine's
-# start, the calls and two diagnostic runs of benchmarks/gpu_pass_overhead.py, 27 of the 30 device
+# start, the calls and three diagnostic runs of benchmarks/gpu_pass_overhead.py, 27 of the 30 device
 # minutes. Records: benchmarks/results/issue19_engine/gpu_h200/ and issue16_training/gpu_h200/.
 # (Added after that run, so not yet run on a GPU: step A2, and the sampling case of the CUDA test.)
 # Budgets (seconds): LAT_S, DATA_S, TRAIN_S, BENCH_S; BENCH_N prompts per set; EVAL_N, EVAL_T, EVAL_NB the health checks.
