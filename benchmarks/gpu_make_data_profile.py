@@ -18,18 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from diffspec.compiled import math_attention
 from diffspec.training.store import generate_batch
-
-
-def smollm2_shaped(device, layers):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
-    return LlamaForCausalLM(cfg).to(device).eval()
+from gpu_profiling import smollm2_shaped, write_profile_table
 
 
 def main():
@@ -71,9 +62,7 @@ def main():
     with profile(activities=acts) as prof:
         run(a.batches[-1], 1 + 8)
     for by in (["self_cuda_time_total"] if dev.type == "cuda" else []) + ["self_cpu_time_total"]:
-        table = prof.key_averages().table(sort_by=by, row_limit=30, max_name_column_width=70)
-        (out / f"profile_{by}.txt").write_text(table)
-        print(by, "\n", "\n".join(line[:70] + line[-60:] for line in table.splitlines()[:20]), flush=True)
+        write_profile_table(prof, by, out / f"profile_{by}.txt", by, lines=20)
     (out / "make_data_steps.json").write_text(json.dumps(report, indent=1))
 
 

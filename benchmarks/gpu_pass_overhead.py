@@ -17,18 +17,10 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffspec import compiled as C
 from diffspec.target import Target
-
-
-def smollm2_shaped(dtype, device, layers=30):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
-    return LlamaForCausalLM(cfg).to(dtype).to(device).eval()
+from gpu_profiling import smollm2_shaped, write_profile_table
 
 
 def timed(fn, reps, sync):
@@ -58,8 +50,8 @@ def main():
     report = {}
     ids = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(0))
     torch._dynamo.utils.counters.clear()
-    targets = {"eager": Target(smollm2_shaped(torch.float32, dev, a.layers)),
-               "fixed": Target(smollm2_shaped(torch.float32, dev, a.layers), compile="on")}
+    targets = {"eager": Target(smollm2_shaped(dev, a.layers)),
+               "fixed": Target(smollm2_shaped(dev, a.layers), compile="on")}
     report["runtime"] = {k: str(t.runtime()) for k, t in targets.items()}
     for name, t in targets.items():
         t.forward(ids[:100], logits=False)
@@ -102,9 +94,7 @@ def main():
                 fn()
             sync()
         by = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=by, row_limit=30, max_name_column_width=70)
-        (out / f"profile_{name}.txt").write_text(table)
-        print(name, "\n", "\n".join(line[:70] + line[-60:] for line in table.splitlines()[:22]), flush=True)
+        write_profile_table(prof, by, out / f"profile_{name}.txt", name)
     (out / "pass_overhead.json").write_text(json.dumps(report, indent=1))
 
 

