@@ -7,15 +7,21 @@ matrix. PyTorch's `F.linear(x, W)` (x @ W^T) hands MKL shapes it serves badly at
   two-column `mm(W, [x; x]^T)` runs MKL's GEMM kernel at near full bandwidth (4.2 ms);
 - 2-12 rows go to a GEMM path that took 19.7 ms for two rows through that head on an AVX2 EPYC
   (7.7 ms for one), against 4.9 ms as `mm(W, x^T)` (benchmarks/results/issue19_engine/).
+A model converted from a GGUF has a third formulation: its weights are the GGUF's codes exactly, and
+packed_linear.py reads them as codes (85 instead of 538 MB for SmolLM2), with the same float32 weights.
 Which formulation wins, and up to how many rows, depends on the CPU and the shape, so it is measured:
 
 - `measure_plan(model)`: for each distinct weight shape of the model's `nn.Linear` layers and each
   row count in ROW_BUCKETS, both formulations are timed over that shape's own weights in sequence
   (so they stream from memory as in a real pass). One row takes the padded `mm` where it was at
   least 1/MARGIN faster; from 2 rows, `mm(W, x^T)` takes the row counts up to the first bucket where
-  it was not. Once per machine x shapes x dtype x torch version, cached beside the cost tables.
+  it was not. Where a shape's layers are all GGUF codes (`packed_linear.pack_model`, run first), the
+  packed kernel is timed too, against the formulation planned for each bucket, and takes the buckets
+  where it is at least 1/MARGIN faster (the same prefix rule). Once per machine x shapes (and whether
+  they are packed, and the kernel's source) x dtype x torch version, cached beside the cost tables.
 - `install(model, plan)`: each linear layer's forward picks the formulation its plan names for the
-  pass's row count (a row count between buckets takes the bucket below; past the last, F.linear).
+  pass's row count (a row count between buckets takes the bucket below; past the last, F.linear): the
+  packed kernel, else mm(W, x^T), else F.linear.
 - `head_rows`: the row buckets whose greedy choice skips the output head's fp32 product for the exact
   screen of greedy_head.py (a bf16 product and a bound, then the few candidates rescored), timed
   against the planned fp32 head where this CPU runs bf16 matmuls natively; the target applies it
@@ -57,7 +63,7 @@ KERNELS = ("auto", "multi-row", "stock")
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
 MARGIN = 0.9
-FORMAT = 3
+FORMAT = 4
 
 Shape = Tuple[int, int]  # (out_features, in_features)
 
@@ -76,9 +82,14 @@ class LinearPlan:
     mm_rows: Dict[Shape, frozenset] = field(default_factory=dict)
     timings_us: Dict[str, dict] = field(default_factory=dict, compare=False)
     head_rows: frozenset = frozenset()
+    #: for each weight shape whose layers are GGUF codes (packed_linear.py), the row buckets that run the packed kernel
+    packed_rows: Dict[Shape, frozenset] = field(default_factory=dict)
 
     def uses_mm(self, shape: Shape, rows: int) -> bool:
         return _in_buckets(self.mm_rows.get(shape), rows)
+
+    def uses_packed(self, shape: Shape, rows: int) -> bool:
+        return _in_buckets(self.packed_rows.get(shape), rows)
 
     def screens_head(self, rows: int) -> bool:
         return _in_buckets(self.head_rows, rows)
@@ -86,28 +97,32 @@ class LinearPlan:
     def multi_row_only(self) -> "LinearPlan":
         """The same plan with one-row passes left to transformers' own (`--kernels multi-row`)."""
         return LinearPlan({shape: rows - {1} for shape, rows in self.mm_rows.items()}, self.timings_us,
-                          self.head_rows - {1})
+                          self.head_rows - {1}, {shape: rows - {1} for shape, rows in self.packed_rows.items()})
 
     @property
     def one_row(self) -> bool:
         """Whether any one-row pass leaves F.linear, or its greedy choice the fp32 logits (plain decoding is
         then not transformers' own bitwise)."""
-        return any(1 in rows for rows in self.mm_rows.values()) or 1 in self.head_rows
+        return any(1 in rows for rows in [*self.mm_rows.values(), *self.packed_rows.values()]) or 1 in self.head_rows
 
     def describe(self) -> str:
-        if not any(self.mm_rows.values()) and not self.head_rows:
+        if not any(self.mm_rows.values()) and not self.head_rows and not any(self.packed_rows.values()):
             return "stock"
-        parts = []
-        for (n, k), rows in sorted(self.mm_rows.items()):
-            if rows:
-                parts.append(f"{n}x{k}: rows {','.join(str(r) for r in sorted(rows))}")
-        text = "mm(W,x^T) for " + "; ".join(parts) if parts else "F.linear"
+
+        def listed(rows_by_shape):
+            return "; ".join(f"{n}x{k}: rows {','.join(str(r) for r in sorted(rows))}"
+                             for (n, k), rows in sorted(rows_by_shape.items()) if rows)
+
+        text = "mm(W,x^T) for " + listed(self.mm_rows) if any(self.mm_rows.values()) else "F.linear"
+        if any(self.packed_rows.values()):
+            text = "packed GGUF codes for " + listed(self.packed_rows) + "; otherwise " + text
         if self.head_rows:
             text += f"; greedy head screened in bf16 for rows {','.join(str(r) for r in sorted(self.head_rows))}"
         return text
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "mm_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.mm_rows.items())],
+                "packed_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.packed_rows.items())],
                 "head_rows": sorted(self.head_rows), "timings_us": self.timings_us}
 
     @classmethod
@@ -115,10 +130,11 @@ class LinearPlan:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError("not a linear plan")
         rows = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["mm_rows"]}
+        packed = {(int(n), int(k)): frozenset(int(r) for r in rs) for n, k, rs in d["packed_rows"]}
         head = frozenset(int(r) for r in d["head_rows"])
-        if any(r not in ROW_BUCKETS for rs in [*rows.values(), head] for r in rs):
+        if any(r not in ROW_BUCKETS for rs in [*rows.values(), *packed.values(), head] for r in rs):
             raise ValueError("row bucket out of range")
-        return cls(rows, d.get("timings_us", {}), head)
+        return cls(rows, d.get("timings_us", {}), head, packed)
 
 
 def _in_buckets(buckets: Optional[frozenset], rows: int) -> bool:
@@ -151,11 +167,16 @@ def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 @torch.inference_mode()
 def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
-    """Time F.linear against mm(W, x^T) for every weight shape and row bucket (see the module docstring)."""
-    mm_rows, timings = {}, {}
+    """Time F.linear against mm(W, x^T), and the packed kernel where a shape's layers are GGUF codes
+    (packed_linear.py: `pack_model` first), for every weight shape and row bucket (see the module docstring)."""
+    from .packed_linear import packed_linear
+
+    mm_rows, packed_rows, timings = {}, {}, {}
     for shape, mods in linear_groups(model).items():
         weights = [m.weight for m in mods]
-        chosen, rows_t, winning = set(), {}, True
+        packs = [getattr(m, "packed_weight", None) for m in mods]
+        packable = all(p is not None for p in packs)
+        chosen, packed, rows_t, winning, packed_winning = set(), set(), {}, True, packable
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, shape[1], dtype=weights[0].dtype, device=weights[0].device)
 
@@ -167,30 +188,46 @@ def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
                 for w in weights:
                     mm_linear(x, w, None)
 
+            def decoded():
+                for p in packs:
+                    packed_linear(x, p)
+
             t_stock, t_mm = median_seconds(stock, reps), median_seconds(flipped, reps)
             rows_t[rows] = [round(t_stock / len(weights) * 1e6, 1), round(t_mm / len(weights) * 1e6, 1)]
             wins = t_mm < MARGIN * t_stock
             if rows == 1:  # one row is its own decision (another kernel than the multi-row ones)
                 if wins:
                     chosen.add(rows)
-                continue
-            winning = winning and wins  # from 2 rows up to the first bucket it does not win
-            if winning:
-                chosen.add(rows)
-            elif rows >= 8:
+            else:
+                winning = winning and wins  # from 2 rows up to the first bucket it does not win
+                if winning:
+                    chosen.add(rows)
+            if packed_winning:
+                t_packed = median_seconds(decoded, reps)
+                rows_t[rows].append(round(t_packed / len(weights) * 1e6, 1))
+                packed_wins = t_packed < MARGIN * (t_mm if rows in chosen else t_stock)
+                if packed_wins:
+                    packed.add(rows)
+                elif rows > 1:
+                    packed_winning = False
+            if not winning and not packed_winning and rows >= 8:
                 break  # the formulations converge as rows grow: stop timing
         mm_rows[shape] = frozenset(chosen)
+        if packable:
+            packed_rows[shape] = frozenset(packed)
         timings[f"{shape[0]}x{shape[1]}"] = rows_t
-    head_rows, timings["greedy_head"] = measure_head_screen(model, mm_rows, reps)
-    return LinearPlan(mm_rows, timings, head_rows)
+    head_rows, timings["greedy_head"] = measure_head_screen(model, mm_rows, reps, packed_rows)
+    return LinearPlan(mm_rows, timings, head_rows, packed_rows)
 
 
-def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset], reps: int = 5) -> tuple:
+def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset], reps: int = 5,
+                        packed_rows: Optional[Dict[Shape, frozenset]] = None) -> tuple:
     """(the row buckets where greedy_head's screen is at least 1/MARGIN faster than the planned fp32 head
     and its argmax, {bucket: [fp32 us, screened us]}). Nothing where the head is not a float32 bias-free
     linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
     from .greedy_head import GreedyHead, unscreenable
+    from .packed_linear import packed_linear
 
     head = model.get_output_embeddings()
     if unscreenable(head):
@@ -203,7 +240,12 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
         x = head.weight.detach()[picks] * 10 + torch.randn(rows, shape[1], generator=g) * 0.1
 
         def planned():
-            y = mm_linear(x, head.weight, None) if _in_buckets(mm_rows.get(shape), rows) else F.linear(x, head.weight)
+            if _in_buckets((packed_rows or {}).get(shape), rows):
+                y = packed_linear(x, head.packed_weight)
+            elif _in_buckets(mm_rows.get(shape), rows):
+                y = mm_linear(x, head.weight, None)
+            else:
+                y = F.linear(x, head.weight)
             y.argmax(dim=-1)
 
         t_full, t_screen = median_seconds(planned, reps), median_seconds(lambda: screen.tokens(x), reps)
@@ -215,10 +257,14 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
 
 def plan_path(model: torch.nn.Module):
     from .machine_keys import cache_key, cost_dir, machine_key
+    from .packed_linear import kernel_key
 
     p = next(model.parameters())
-    shapes = sorted((list(s), len(m)) for s, m in linear_groups(model).items())
-    key = cache_key("linear-plan", FORMAT, machine_key(p.device), str(p.dtype), shapes, ROW_BUCKETS, MARGIN)
+    shapes = sorted((list(s), len(m), all(getattr(x, "packed_weight", None) is not None for x in m))
+                    for s, m in linear_groups(model).items())
+    packed = any(packable for _, _, packable in shapes)
+    key = cache_key("linear-plan", FORMAT, machine_key(p.device), str(p.dtype), shapes, ROW_BUCKETS, MARGIN,
+                    *([kernel_key()] if packed else []))
     return cost_dir() / f"linear-plan-{key}.json"
 
 
@@ -240,10 +286,10 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
 
 
 def install(model: torch.nn.Module, plan: LinearPlan) -> int:
-    """Route each linear layer's forward through `plan`; returns how many layers may take mm(W, x^T)."""
+    """Route each linear layer's forward through `plan`; returns how many layers may leave F.linear."""
     routed = 0
     for shape, mods in linear_groups(model).items():
-        if not plan.mm_rows.get(shape):
+        if not plan.mm_rows.get(shape) and not plan.packed_rows.get(shape):
             continue
         for mod in mods:
             mod.forward = _routed_forward(mod, shape, plan)
@@ -280,6 +326,10 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
     check_kernels(mode)
     if mode == "stock":
         return LinearPlan()
+    from .packed_linear import pack_model
+
+    if not all(hasattr(m, "packed_weight") for mods in linear_groups(model).values() for m in mods):
+        pack_model(model, quiet=quiet)
     plan = cached_plan(model, quiet=quiet)
     return plan if mode == "auto" else plan.multi_row_only()
 
@@ -288,10 +338,16 @@ def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
     """The layer's routed forward, bound to it as a method: a deep copy of the model (the drafters' dtype
     trial) rebinds it to the copy, whose own weights it then uses (a closure over `mod` would keep
     computing with the original's)."""
+    from .packed_linear import packed_linear
+
     mm_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_mm(shape, r))
+    packed_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_packed(shape, r))
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] in mm_for:
+        rows = x.numel() // x.shape[-1]
+        if rows in packed_for and getattr(self, "packed_weight", None) is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        if rows in mm_for:
             return mm_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -1,0 +1,187 @@
+/* Linear layers over weights held in the blocks they were quantized to (packed_linear.py).
+ *
+ * A weight row is cut in blocks of 32 along the input dimension. Block b of row n holds a scale
+ * d[n, b], an offset m[n, b] (Q4_1: both from the GGUF's float16 fields) and 32 integer codes q:
+ *   Q4 (4-bit codes 0..15, two a byte: byte j holds code j in its low nibble, code j + 16 in its high)
+ *       w = (d * q) + m
+ *   Q8 (signed 8-bit codes, no offset)
+ *       w = d * q
+ * each operation rounded to float32 on its own (this file is compiled with -ffp-contract=off): the
+ * very values GGUF's reference dequantizer (gguf-py, numpy float32) writes into the float32 model.
+ * So the layer computes with the float32 model's own weights; only the order in which a dot product
+ * is summed is this kernel's.
+ *
+ * y[r, n] = sum_k w[n, k] * x[r, k]: every (r, n) is summed in the same order whatever the number of
+ * rows R (lanes of the vector width over k, fused multiply-adds, then one fixed horizontal sum), so a
+ * row's output is bitwise the same in a one-row step and in a wide verify pass. */
+
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define INLINE static inline __attribute__((always_inline))
+
+int diffspec_packed_abi(void) { return 2; }
+
+#if defined(__AVX512F__)
+/* 16 lanes: a block is two vectors; 8 rows share a block's decoding (16 accumulators of 32 registers) */
+#define ISA "avx512f"
+#define LANES 16
+#define ROW_GROUP 8
+typedef __m512 vec;
+INLINE vec vzero(void) { return _mm512_setzero_ps(); }
+INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+
+INLINE void decode_q4(const uint8_t *qb, float d, float m, vec *w) {
+    /* the block's 16 possible weights, (d * code) + m for code 0..15, then looked up by code */
+    const vec codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vec table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), codes), _mm512_set1_ps(m));
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
+    w[0] = _mm512_permutexvar_ps(c, table); /* low nibbles: permutexvar reads an index's low 4 bits */
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+}
+
+INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
+    const vec vd = _mm512_set1_ps(d);
+    for (int j = 0; j < 2; j++)
+        w[j] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16 * j)))));
+}
+
+#elif defined(__AVX2__)
+/* 8 lanes: a block is four vectors; 4 rows share a block's decoding (8 accumulators of 16 registers) */
+#define ISA "avx2"
+#define LANES 8
+#define ROW_GROUP 4
+typedef __m256 vec;
+INLINE vec vzero(void) { return _mm256_setzero_ps(); }
+INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+INLINE float vsum(vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE void decode_q4(const uint8_t *qb, float d, float m, vec *w) {
+    const vec vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+    const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+    w[0] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(c0, low))), vm);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(c1, low))), vm);
+    w[2] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4))), vm);
+    w[3] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))), vm);
+}
+
+INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
+    const vec vd = _mm256_set1_ps(d);
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * j)))));
+}
+
+#else
+/* no vector extension: "vectors" of one lane, the same order of operations */
+#define ISA "scalar"
+#define LANES 1
+#define ROW_GROUP 4
+typedef float vec;
+INLINE vec vzero(void) { return 0.0f; }
+INLINE vec vload(const float *p) { return *p; }
+INLINE vec vfma(vec a, vec b, vec c) { return a * b + c; } /* not fused under -ffp-contract=off: still one fixed order */
+INLINE vec vadd(vec a, vec b) { return a + b; }
+INLINE float vsum(vec v) { return v; }
+
+INLINE void decode_q4(const uint8_t *qb, float d, float m, vec *w) {
+    for (int j = 0; j < BLOCK; j++) {
+        const float t = d * (float)(j < 16 ? qb[j] & 15 : qb[j - 16] >> 4);
+        w[j] = t + m;
+    }
+}
+
+INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
+    for (int j = 0; j < BLOCK; j++) w[j] = d * (float)qb[j];
+}
+#endif
+
+#define VECS (BLOCK / LANES)
+
+const char *diffspec_packed_isa(void) { return ISA; }
+
+/* G rows (a compile-time count once inlined, so the accumulators stay in registers) through one weight row.
+ * Each row keeps two accumulators, the even and the odd vectors of every block, added at the end, then
+ * summed across lanes: the same operations in the same order for a row whatever G is. */
+INLINE void rows_q4(const int G, const float *x, int64_t K, const uint8_t *qrow, const float *drow,
+                    const float *mrow, float *y, int64_t N) {
+    vec acc[ROW_GROUP][2], w[VECS];
+    for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+        decode_q4(qrow + b * (BLOCK / 2), drow[b], mrow[b], w);
+        for (int i = 0; i < G; i++)
+            for (int j = 0; j < VECS; j++) acc[i][j & 1] = vfma(w[j], vload(x + i * K + b * BLOCK + j * LANES), acc[i][j & 1]);
+    }
+    for (int i = 0; i < G; i++) y[i * N] = vsum(vadd(acc[i][0], acc[i][1]));
+}
+
+INLINE void rows_q8(const int G, const float *x, int64_t K, const int8_t *qrow, const float *drow, float *y, int64_t N) {
+    vec acc[ROW_GROUP][2], w[VECS];
+    for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int64_t b = 0; b < K / BLOCK; b++) {
+        decode_q8(qrow + b * BLOCK, drow[b], w);
+        for (int i = 0; i < G; i++)
+            for (int j = 0; j < VECS; j++) acc[i][j & 1] = vfma(w[j], vload(x + i * K + b * BLOCK + j * LANES), acc[i][j & 1]);
+    }
+    for (int i = 0; i < G; i++) y[i * N] = vsum(vadd(acc[i][0], acc[i][1]));
+}
+
+#define DISPATCH(CALL)                                                                                   \
+    switch (g) {                                                                                         \
+    case 1: CALL(1); break;                                                                              \
+    case 2: CALL(2); break;                                                                              \
+    case 3: CALL(3); break;                                                                              \
+    case 4: CALL(4); break;                                                                              \
+    ROW_GROUP_CASES(CALL)                                                                                \
+    }
+#if ROW_GROUP == 8
+#define ROW_GROUP_CASES(CALL) case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break;
+#else
+#define ROW_GROUP_CASES(CALL)
+#endif
+
+/* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32); rows of W split among OpenMP threads,
+ * the rows of x taken ROW_GROUP at a time */
+void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, const float *d,
+                        const float *m, int64_t N, float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *qrow = q + n * (K / 2);
+        const float *drow = d + n * (K / BLOCK), *mrow = m + n * (K / BLOCK);
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int64_t g = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+#define Q4(G) rows_q4(G, x + r0 * K, K, qrow, drow, mrow, y + r0 * N + n, N)
+            DISPATCH(Q4)
+#undef Q4
+        }
+    }
+}
+
+void diffspec_q8_linear(const float *x, int64_t R, int64_t K, const int8_t *q, const float *d,
+                        int64_t N, float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qrow = q + n * K;
+        const float *drow = d + n * (K / BLOCK);
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_GROUP) {
+            const int64_t g = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;
+#define Q8(G) rows_q8(G, x + r0 * K, K, qrow, drow, y + r0 * N + n, N)
+            DISPATCH(Q8)
+#undef Q8
+        }
+    }
+}

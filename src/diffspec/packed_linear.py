@@ -1,0 +1,255 @@
+"""Linear layers that read the weights in the blocks a GGUF quantized them to, exactly (issue 19).
+
+A model converted from a GGUF (the default target: SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0
+embedding, tied to the output head) is a float32 model whose every weight is a dequantized code:
+Q4_1 `w = (d * q) + m` with q in 0..15, Q8_0 `w = d * q` with q in -128..127, d and m one pair for
+each block of 32 inputs. A one-row step streams those 538 MB of float32 from memory; the same
+weights as codes are 85 MB. `pack(weight)` finds such codes for a float32 weight (any source: it
+reads the values, not the file) and checks that decoding them gives every weight back bitwise;
+packed_linear.c then computes `x @ W^T` decoding each block into float32 registers, with the same
+roundings as the float32 model's own dequantization. So the layer computes with exactly the float32
+model's weights; what changes is only the order a dot product is summed in (as with any other
+matmul kernel), and that order is the same for every row whatever the pass's width: a row's output is
+bitwise equal in a one-row step and in a verify pass (tested), which no MKL formulation gave past 3 rows.
+
+The C file is compiled once per machine with the system's C compiler (`$CC`, else `cc`) for its own
+CPU (`-march=native`), under $DIFFSPEC_CACHE/kernels; without a compiler nothing is packed (kernels.py
+then plans float32 kernels only, and says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+BLOCK = 32
+SOURCE = Path(__file__).with_name("packed_linear.c")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+NATIVE = ("-march=native",)  # the machine's own vector width (AVX-512, AVX2); tests also build ("-mavx2", "-mfma") and ()
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [N, K] float32 weight as codes: kind 'q4' (codes uint8 [N, K/2], two 4-bit codes a byte: byte j of a
+    block holds code j low and code j + 16 high; offsets float32 [N, K/32]) or 'q8' (codes int8 [N, K]; no
+    offsets); scales float32 [N, K/32]."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: Optional[torch.Tensor]
+
+    @property
+    def shape(self):
+        n, width = self.codes.shape
+        return (n, width * 2 if self.kind == "q4" else width)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+    def decode(self) -> torch.Tensor:
+        """The float32 weight, decoded as the kernel does (scale times code, rounded; plus the offset, rounded)."""
+        n, k = self.shape
+        if self.kind == "q4":
+            c = self.codes.view(n, k // BLOCK, BLOCK // 2)
+            q = torch.cat((c & 15, c >> 4), dim=-1).float()
+            return ((self.scales[..., None] * q) + self.offsets[..., None]).reshape(n, k)
+        q = self.codes.view(n, k // BLOCK, BLOCK).float()
+        return (self.scales[..., None] * q).reshape(n, k)
+
+
+def _safe(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d > 0, d, torch.ones_like(d))
+
+
+def _q4_codes(v: torch.Tensor):
+    """(codes [.., 32] uint8, scales, offsets) for blocks v [.., 32] if (scale * code) + offset gives each back, else None.
+    The offset is the block's least value (the quantizer's code 0); the scale, the span over 15, as float16
+    (where GGUF's Q4_1 and Q4_0's scales live) or as computed."""
+    low = v.amin(-1, keepdim=True)
+    span = (v.amax(-1, keepdim=True) - low) / 15
+    for d in (span.half().float(), span):
+        q = torch.round((v - low) / _safe(d)).clamp_(0, 15)
+        if torch.equal((d * q) + low, v):
+            return q.to(torch.uint8), d, low
+    return None
+
+
+def _q8_codes(v: torch.Tensor):
+    """(codes [.., 32] int8, scales) for blocks v [.., 32] if scale * code gives each back, else None (Q8_0: the
+    largest magnitude is code +-127, the scale a float16)."""
+    span = v.abs().amax(-1, keepdim=True) / 127
+    for d in (span.half().float(), span):
+        q = torch.round(v / _safe(d)).clamp_(-128, 127)
+        if torch.equal(d * q, v):
+            return q.to(torch.int8), d
+    return None
+
+
+@torch.no_grad()
+def pack(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """The weight's codes, if every block of 32 inputs is a Q8_0 or Q4_1 block exactly (checked on a sample of
+    rows first, then on all); None for any other weight (not float32 on a CPU, K not a multiple of 32, or
+    values that are not such codes, as in a model trained in float32 or bf16)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if k % BLOCK or n == 0:
+        return None
+    blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
+    sample = blocks[: min(n, 64)]
+    if _q8_codes(sample) is not None and (found := _q8_codes(blocks)) is not None:
+        q, d = found
+        return PackedWeight("q8", q.reshape(n, k).contiguous(), d.reshape(n, -1).contiguous(), None)
+    if _q4_codes(sample) is not None and (found := _q4_codes(blocks)) is not None:
+        q, d, m = found
+        packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+        return PackedWeight("q4", packed.reshape(n, k // 2).contiguous(), d.reshape(n, -1).contiguous(),
+                            m.reshape(n, -1).contiguous())
+    return None
+
+
+# --- the compiled kernel -------------------------------------------------------------------------
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library():
+    return build_library(NATIVE)
+
+
+@functools.lru_cache(maxsize=None)
+def build_library(isa_flags: tuple = NATIVE):
+    """The C library compiled with `isa_flags` (cached per machine under $DIFFSPEC_CACHE/kernels) and loaded, or a
+    KernelUnavailable that says why not."""
+    from .machine_keys import cache_key, machine_key
+    from .models import cache_root
+
+    cc = _compiler()
+    if cc is None:
+        return KernelUnavailable("no C compiler found (set $CC)")
+    source = SOURCE.read_bytes()
+    flags = (*FLAGS, *isa_flags)
+    key = cache_key("packed-linear", hashlib.sha256(source).hexdigest(), cc, flags, machine_key("cpu")["cpu_flags"])
+    where = cache_root() / "kernels" / f"packed_linear-{key}.so"
+    if not where.exists():
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=where.parent) as tmp:
+                out = Path(tmp) / where.name
+                run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                if run.returncode != 0:
+                    return KernelUnavailable(f"{cc} could not compile {SOURCE.name}: {run.stderr.strip()[-400:]}")
+                os.replace(out, where)
+        except OSError as e:
+            return KernelUnavailable(f"could not build {SOURCE.name} under {where.parent}: {e}")
+    try:
+        lib = ctypes.CDLL(str(where))
+    except OSError as e:
+        return KernelUnavailable(f"could not load {where}: {e}")
+    lib.diffspec_packed_isa.restype = ctypes.c_char_p
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.diffspec_q4_linear.restype = lib.diffspec_q8_linear.restype = None
+    return lib
+
+
+def kernel_key() -> str:
+    """What identifies the kernel's timings: its source and build flags (a changed kernel is timed again)."""
+    return hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, NATIVE)).encode()).hexdigest()[:16]
+
+
+def unavailable() -> Optional[str]:
+    """Why the kernel cannot run here (None: it can)."""
+    lib = _library()
+    return str(lib) if isinstance(lib, KernelUnavailable) else None
+
+
+def isa() -> str:
+    """The vector instructions the kernel was compiled for on this machine ('avx512f', 'avx2' or 'scalar')."""
+    lib = _library()
+    if isinstance(lib, KernelUnavailable):
+        raise lib
+    return lib.diffspec_packed_isa().decode()
+
+
+def _run_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                offsets: Optional[torch.Tensor], lib=None) -> torch.Tensor:
+    lib = lib or _library()
+    if isinstance(lib, KernelUnavailable):
+        raise lib
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    n = codes.shape[0]
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    if codes.dtype == torch.uint8:
+        lib.diffspec_q4_linear(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), scales.data_ptr(),
+                               offsets.data_ptr(), n, y.data_ptr())
+    else:
+        lib.diffspec_q8_linear(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr())
+    return y.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("diffspec::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernel as an operator torch.compile can trace a graph around (its dispatch costs ~16 us a call,
+    so eager passes call the kernel directly)."""
+    return _run_kernel(x, codes, scales, offsets)
+
+
+@_packed_linear.register_fake
+def _(x, codes, scales, offsets):
+    return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for W = weight.decode(), x float32 on the CPU."""
+    if x.dtype != torch.float32 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"packed_linear takes float32 rows of {weight.shape[1]}, got {x.dtype} {tuple(x.shape)}")
+    run = _packed_linear if torch.compiler.is_compiling() else _run_kernel
+    y = run(x, weight.codes, weight.scales, weight.offsets)
+    return y + bias if bias is not None else y
+
+
+def pack_model(model: torch.nn.Module, quiet: bool = True) -> dict:
+    """Pack every linear layer of `model` whose weight is GGUF codes exactly (PackedWeight on the module as
+    `packed_weight`; a weight shared by two layers, as a tied head, is packed once). Returns
+    {(out, in): whether every layer of that shape was packed}; empty where the kernel is unavailable."""
+    if unavailable() is not None:
+        return {}
+    from .kernels import linear_groups
+
+    packed, seen = {}, {}
+    for shape, mods in linear_groups(model).items():
+        ok = True
+        for mod in mods:
+            key = (mod.weight.data_ptr(), tuple(mod.weight.shape))
+            if key not in seen:
+                seen[key] = pack(mod.weight)
+            mod.packed_weight = seen[key]
+            ok = ok and seen[key] is not None
+        packed[shape] = ok
+    if not quiet and any(packed.values()):
+        total = sum(p.nbytes for p in seen.values() if p is not None)
+        print(f"diffspec: the target's GGUF-coded weights packed for the {isa()} kernel ({total / 2**20:.0f} MiB)",
+              file=sys.stderr, flush=True)
+    return packed
