@@ -193,19 +193,20 @@ def isa() -> str:
 
 def _run_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 offsets: Optional[torch.Tensor], lib=None) -> torch.Tensor:
+    """y = x @ W^T through the C kernel (kept lean: a call of a small layer is ~13 us, ~7 of them ctypes, OpenMP and the kernel)."""
     lib = lib or _library()
     if isinstance(lib, KernelUnavailable):
         raise lib
-    k = x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()
-    n = codes.shape[0]
-    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if codes.dtype == torch.uint8:
-        lib.diffspec_q4_linear(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), scales.data_ptr(),
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k, n = x.shape[-1], codes.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    if offsets is not None:
+        lib.diffspec_q4_linear(x.data_ptr(), x.numel() // k, k, codes.data_ptr(), scales.data_ptr(),
                                offsets.data_ptr(), n, y.data_ptr())
     else:
-        lib.diffspec_q8_linear(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr())
-    return y.view(*x.shape[:-1], n)
+        lib.diffspec_q8_linear(x.data_ptr(), x.numel() // k, k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr())
+    return y
 
 
 @torch.library.custom_op("diffspec::packed_linear", mutates_args=())
