@@ -57,6 +57,11 @@ def coded_model(vocab: int = 96, seed: int = 3) -> torch.nn.Module:
     return model
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The float32 bit patterns (torch.equal would take -0.0 for +0.0)."""
+    return t.contiguous().view(torch.int32)
+
+
 def every_bucket_packed(model) -> K.LinearPlan:
     return K.LinearPlan(packed_rows={shape: frozenset(K.ROW_BUCKETS) for shape in K.linear_groups(model)})
 
@@ -66,7 +71,7 @@ def test_pack_finds_the_codes_of_gguf_dequantized_weights_bitwise(kind):
     w = gguf_weight(kind, 40, 96)
     packed = P.pack(w)
     assert packed is not None and packed.kind == kind[:2] and packed.shape == (40, 96)
-    assert torch.equal(packed.decode(), w)
+    assert torch.equal(bits(packed.decode()), bits(w))
     assert packed.nbytes < w.numel() * w.element_size() / (2.5 if kind == "q8_0" else 4)
 
 
@@ -86,7 +91,7 @@ def test_the_kernel_computes_with_the_float32_weights_exactly(kind):
     any rows give F.linear's products to float32 rounding."""
     w = gguf_weight(kind, 70, 128, seed=1)
     packed = P.pack(w)
-    assert torch.equal(P.packed_linear(torch.eye(128), packed), w.t())
+    assert torch.equal(bits(P.packed_linear(torch.eye(128), packed)), bits(w.t()))
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(0))
     bias = torch.randn(70)
     y = P.packed_linear(x, packed, bias)
@@ -131,11 +136,61 @@ def test_every_vector_width_decodes_exactly_and_keeps_rows_invariant(isa, kind):
     torch.testing.assert_close(one_by_one, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_the_decode_rounds_the_scale_product_and_the_offset_apart():
+    """With float32 scales (not GGUF's float16 ones) d * q is inexact, and a fused multiply-add decode would give
+    other weights than the dequantizer's (d * q) + m: every build must decode as `PackedWeight.decode` does."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 64, 128
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.rand(n, k // 32, generator=g) * 0.3 + 0.01
+    offsets = -torch.rand(n, k // 32, generator=g)
+    packed = P.PackedWeight("q4", codes, scales, offsets)
+    want = packed.decode()
+    q = torch.cat((codes.view(n, -1, 16) & 15, codes.view(n, -1, 16) >> 4), -1).double()
+    fused = (scales.double()[..., None] * q + offsets.double()[..., None]).float().reshape(n, k)  # one rounding
+    assert (bits(fused) != bits(want)).sum() > 100  # the case tells the two decodes apart
+    for isa in [P.NATIVE, *ISAS.values()]:
+        lib = P.build_library(isa)
+        got = P._run_kernel(torch.eye(k), codes, scales, offsets, lib=lib)
+        assert torch.equal(bits(got), bits(want.t())), isa
+
+
+def test_a_pack_goes_stale_when_its_weight_changes_and_layers_then_fall_back():
+    model = coded_model()
+    P.pack_model(model)
+    layer = model.model.layers[0].mlp.up_proj
+    assert P.current_pack(layer) is layer.packed_weight
+    K.install(model, every_bucket_packed(model))
+    x = torch.randn(1, 3, 64)
+    import copy
+    cast = copy.deepcopy(model).to(torch.bfloat16)  # what a drafter's dtype trial does with its copy
+    layer_bf16 = cast.model.layers[0].mlp.up_proj
+    assert P.current_pack(layer_bf16) is None  # copied with the module, but not its weight's pack any more
+    with torch.no_grad():
+        torch.testing.assert_close(layer_bf16(x.bfloat16()), F.linear(x.bfloat16(), layer_bf16.weight))  # F.linear
+        layer.weight.mul_(2)  # edited in place
+    assert P.current_pack(layer) is None
+    assert K.plan_path(model) != K.plan_path(coded_model())  # ... so the plan is not the packed model's
+    K.uninstall(model)
+
+
+def test_planning_packs_again_a_model_whose_weights_changed(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    model = coded_model()
+    K.plan_for_mode(model, "auto")
+    layer = model.model.layers[1].self_attn.o_proj
+    with torch.no_grad():
+        layer.weight.mul_(2)  # twice a code block is a code block
+    assert P.current_pack(layer) is None
+    K.plan_for_mode(model, "auto")
+    assert P.current_pack(layer) is not None and torch.equal(bits(layer.packed_weight.decode()), bits(layer.weight))
+
+
 def test_packed_linear_refuses_rows_it_cannot_take():
     packed = P.pack(gguf_weight("q4_1", 8, 64))
-    with pytest.raises(ValueError, match="float32 rows of 64"):
+    with pytest.raises(ValueError, match="float32 CPU rows of 64"):
         P.packed_linear(torch.randn(2, 32), packed)
-    with pytest.raises(ValueError, match="float32 rows of 64"):
+    with pytest.raises(ValueError, match="float32 CPU rows of 64"):
         P.packed_linear(torch.randn(2, 64, dtype=torch.float64), packed)
 
 
@@ -147,6 +202,17 @@ def test_pack_model_packs_a_tied_head_once_and_only_coded_layers():
     assert model.model.layers[1].mlp.down_proj.packed_weight is None
     assert model.model.layers[0].mlp.down_proj.packed_weight is not None
     assert model.lm_head.packed_weight.kind == "q8"
+
+
+def test_without_a_compiler_nothing_is_packed_and_the_user_is_told(monkeypatch, capsys):
+    monkeypatch.setattr(P, "_library", lambda: P.KernelUnavailable("no C compiler found (set $CC)"))
+    model = coded_model()
+    found = P.pack_model(model, quiet=False)
+    assert found and not any(found.values())
+    assert all(m.packed_weight is None for ms in K.linear_groups(model).values() for m in ms)
+    assert "cannot run here (no C compiler found (set $CC)): float32 kernels only" in capsys.readouterr().err
+    plan = K.measure_plan(model, reps=1)
+    assert not plan.packed_rows  # and the plan routes nothing to it
 
 
 def test_measured_plan_times_the_packed_kernel_where_layers_are_codes(monkeypatch, tmp_path):

@@ -61,7 +61,7 @@ from .timing import median_seconds
 KERNELS = ("auto", "multi-row", "stock")
 #: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
-#: mm(W, x^T) is taken only where it was at least this much faster (noise must not flip a choice)
+#: mm(W, x^T), or the packed kernel, is taken only where it was at least this much faster (noise must not flip a choice)
 MARGIN = 0.9
 FORMAT = 4
 
@@ -169,12 +169,12 @@ def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
     """Time F.linear against mm(W, x^T), and the packed kernel where a shape's layers are GGUF codes
     (packed_linear.py: `pack_model` first), for every weight shape and row bucket (see the module docstring)."""
-    from .packed_linear import packed_linear
+    from .packed_linear import current_pack, packed_linear
 
     mm_rows, packed_rows, timings = {}, {}, {}
     for shape, mods in linear_groups(model).items():
         weights = [m.weight for m in mods]
-        packs = [getattr(m, "packed_weight", None) for m in mods]
+        packs = [current_pack(m) for m in mods]
         packable = all(p is not None for p in packs)
         chosen, packed, rows_t, winning, packed_winning = set(), set(), {}, True, packable
         for rows in ROW_BUCKETS:
@@ -227,7 +227,7 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
     linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
     from .greedy_head import GreedyHead, unscreenable
-    from .packed_linear import packed_linear
+    from .packed_linear import current_pack, packed_linear
 
     head = model.get_output_embeddings()
     if unscreenable(head):
@@ -241,7 +241,7 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
 
         def planned():
             if _in_buckets((packed_rows or {}).get(shape), rows):
-                y = packed_linear(x, head.packed_weight)
+                y = packed_linear(x, current_pack(head))
             elif _in_buckets(mm_rows.get(shape), rows):
                 y = mm_linear(x, head.weight, None)
             else:
@@ -257,12 +257,15 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
 
 def plan_path(model: torch.nn.Module):
     from .machine_keys import cache_key, cost_dir, machine_key
-    from .packed_linear import kernel_key
+    from .packed_linear import current_pack, kernel_key
+
+    def kinds(mods):  # the codes a shape's layers are packed as (a Q4 and a Q8 file of one model time apart)
+        packs = [current_pack(m) for m in mods]
+        return sorted({p.kind for p in packs if p is not None}) if all(packs) else []
 
     p = next(model.parameters())
-    shapes = sorted((list(s), len(m), all(getattr(x, "packed_weight", None) is not None for x in m))
-                    for s, m in linear_groups(model).items())
-    packed = any(packable for _, _, packable in shapes)
+    shapes = sorted((list(s), len(m), kinds(m)) for s, m in linear_groups(model).items())
+    packed = any(packed_kinds for _, _, packed_kinds in shapes)
     key = cache_key("linear-plan", FORMAT, machine_key(p.device), str(p.dtype), shapes, ROW_BUCKETS, MARGIN,
                     *([kernel_key()] if packed else []))
     return cost_dir() / f"linear-plan-{key}.json"
@@ -278,7 +281,7 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if not quiet:
-        print("diffspec: timing two matmul formulations for the target's layers on this machine (once; cached)",
+        print("diffspec: timing the matmul formulations for the target's layers on this machine (once; cached)",
               file=sys.stderr, flush=True)
     plan = measure_plan(model)
     try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
@@ -326,10 +329,11 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
     check_kernels(mode)
     if mode == "stock":
         return LinearPlan()
-    from .packed_linear import pack_model
+    from .packed_linear import current_pack, pack_model
 
-    if not all(hasattr(m, "packed_weight") for mods in linear_groups(model).values() for m in mods):
-        pack_model(model, quiet=quiet)
+    mods = [m for group in linear_groups(model).values() for m in group]
+    if any(not hasattr(m, "packed_weight") or (m.packed_weight is not None and current_pack(m) is None) for m in mods):
+        pack_model(model, quiet=quiet)  # never packed, or packed before its weights changed (a copy, a cast)
     plan = cached_plan(model, quiet=quiet)
     return plan if mode == "auto" else plan.multi_row_only()
 
@@ -345,7 +349,8 @@ def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows in packed_for and getattr(self, "packed_weight", None) is not None:
+        if rows in packed_for and getattr(self, "packed_weight", None) is not None \
+                and x.dtype == torch.float32 and x.device.type == "cpu":  # not a copy cast or moved since
             return packed_linear(x, self.packed_weight, self.bias)
         if rows in mm_for:
             return mm_linear(x, self.weight, self.bias)

@@ -6,8 +6,9 @@
  *       w = (d * q) + m
  *   Q8 (signed 8-bit codes, no offset)
  *       w = d * q
- * each operation rounded to float32 on its own (this file is compiled with -ffp-contract=off): the
- * very values GGUF's reference dequantizer (gguf-py, numpy float32) writes into the float32 model.
+ * each operation rounded to float32 on its own (this file is compiled with -ffp-contract=off; with
+ * GGUF's float16 scales d * q is exact in float32 anyway): the very values GGUF's reference dequantizer
+ * (gguf-py, numpy float32) writes into the float32 model.
  * So the layer computes with the float32 model's own weights; only the order in which a dot product
  * is summed is this kernel's.
  *
@@ -16,14 +17,12 @@
  * row's output is bitwise the same in a one-row step and in a wide verify pass. */
 
 #include <stdint.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #define BLOCK 32
 #define INLINE static inline __attribute__((always_inline))
-
-int diffspec_packed_abi(void) { return 2; }
 
 #if defined(__AVX512F__)
 /* 16 lanes: a block is two vectors; 8 rows share a block's decoding (16 accumulators of 32 registers) */
@@ -52,7 +51,7 @@ INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
         w[j] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16 * j)))));
 }
 
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 /* 8 lanes: a block is four vectors; 4 rows share a block's decoding (8 accumulators of 16 registers) */
 #define ISA "avx2"
 #define LANES 8
@@ -154,11 +153,11 @@ INLINE void rows_q8(const int G, const float *x, int64_t K, const int8_t *qrow, 
 #define ROW_GROUP_CASES(CALL)
 #endif
 
-/* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32); rows of W split among OpenMP threads,
- * the rows of x taken ROW_GROUP at a time */
+/* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32; every array contiguous); rows of W split among
+ * `threads` OpenMP threads (torch's count, passed on each call), the rows of x taken ROW_GROUP at a time */
 void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, const float *d,
-                        const float *m, int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
+                        const float *m, int64_t N, float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *qrow = q + n * (K / 2);
         const float *drow = d + n * (K / BLOCK), *mrow = m + n * (K / BLOCK);
@@ -172,8 +171,8 @@ void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, 
 }
 
 void diffspec_q8_linear(const float *x, int64_t R, int64_t K, const int8_t *q, const float *d,
-                        int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
+                        int64_t N, float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *qrow = q + n * K;
         const float *drow = d + n * (K / BLOCK);

@@ -23,6 +23,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,16 +40,18 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 NATIVE = ("-march=native",)  # the machine's own vector width (AVX-512, AVX2); tests also build ("-mavx2", "-mfma") and ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedWeight:
     """A [N, K] float32 weight as codes: kind 'q4' (codes uint8 [N, K/2], two 4-bit codes a byte: byte j of a
     block holds code j low and code j + 16 high; offsets float32 [N, K/32]) or 'q8' (codes int8 [N, K]; no
-    offsets); scales float32 [N, K/32]."""
+    offsets); scales float32 [N, K/32]. `source`: what the weight was when packed (`weight_state`): a pack
+    whose weight has since changed (moved, cast, copied, edited in place) is stale (`current_pack`)."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: Optional[torch.Tensor]
+    source: tuple = ()
 
     @property
     def shape(self):
@@ -70,7 +73,18 @@ class PackedWeight:
         return (self.scales[..., None] * q).reshape(n, k)
 
 
-def _safe(d: torch.Tensor) -> torch.Tensor:
+def weight_state(weight: torch.Tensor) -> tuple:
+    """What a pack of `weight` depends on: its storage, dtype, device and in-place version."""
+    return (weight.data_ptr(), weight.dtype, weight.device.type, tuple(weight.shape), weight._version)
+
+
+def current_pack(mod: torch.nn.Module) -> Optional[PackedWeight]:
+    """The layer's pack if it still holds its weight as it is now, else None."""
+    packed = getattr(mod, "packed_weight", None)
+    return packed if packed is not None and packed.source == weight_state(mod.weight) else None
+
+
+def _nonzero_divisor(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d > 0, d, torch.ones_like(d))
 
 
@@ -81,7 +95,7 @@ def _q4_codes(v: torch.Tensor):
     low = v.amin(-1, keepdim=True)
     span = (v.amax(-1, keepdim=True) - low) / 15
     for d in (span.half().float(), span):
-        q = torch.round((v - low) / _safe(d)).clamp_(0, 15)
+        q = torch.round((v - low) / _nonzero_divisor(d)).clamp_(0, 15)
         if torch.equal((d * q) + low, v):
             return q.to(torch.uint8), d, low
     return None
@@ -92,32 +106,48 @@ def _q8_codes(v: torch.Tensor):
     largest magnitude is code +-127, the scale a float16)."""
     span = v.abs().amax(-1, keepdim=True) / 127
     for d in (span.half().float(), span):
-        q = torch.round(v / _safe(d)).clamp_(-128, 127)
+        q = torch.round(v / _nonzero_divisor(d)).clamp_(-128, 127)
         if torch.equal(d * q, v):
             return q.to(torch.int8), d
     return None
 
 
+#: rows checked at a time (the checks hold a few float32 copies of what they check)
+PACK_ROWS = 4096
+
+
+def _codes_by_chunk(find, blocks: torch.Tensor):
+    """`find` over row chunks of `blocks`, the parts concatenated; None as soon as a chunk is not codes."""
+    parts = []
+    for start in range(0, blocks.shape[0], PACK_ROWS):
+        found = find(blocks[start:start + PACK_ROWS])
+        if found is None:
+            return None
+        parts.append(found)
+    return [torch.cat(p) for p in zip(*parts)]
+
+
 @torch.no_grad()
 def pack(weight: torch.Tensor) -> Optional[PackedWeight]:
     """The weight's codes, if every block of 32 inputs is a Q8_0 or Q4_1 block exactly (checked on a sample of
-    rows first, then on all); None for any other weight (not float32 on a CPU, K not a multiple of 32, or
-    values that are not such codes, as in a model trained in float32 or bf16)."""
+    rows first, then on all, a chunk of rows at a time); None for any other weight (not float32 on a CPU, K not
+    a multiple of 32, or values that are not such codes, as in a model trained in float32 or bf16)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
-    if k % BLOCK or n == 0:
+    if k == 0 or k % BLOCK or n == 0:
         return None
+    source = weight_state(weight)
     blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
     sample = blocks[: min(n, 64)]
-    if _q8_codes(sample) is not None and (found := _q8_codes(blocks)) is not None:
+    if _q8_codes(sample) is not None and (found := _codes_by_chunk(_q8_codes, blocks)) is not None:
         q, d = found
-        return PackedWeight("q8", q.reshape(n, k).contiguous(), d.reshape(n, -1).contiguous(), None)
-    if _q4_codes(sample) is not None and (found := _q4_codes(blocks)) is not None:
+        return PackedWeight("q8", q.reshape(n, k).contiguous(), d.reshape(n, -1).contiguous(), None, source)
+    if _q4_codes(sample) is not None and (found := _codes_by_chunk(_q4_codes, blocks)) is not None:
         q, d, m = found
         packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
         return PackedWeight("q4", packed.reshape(n, k // 2).contiguous(), d.reshape(n, -1).contiguous(),
-                            m.reshape(n, -1).contiguous())
+                            m.reshape(n, -1).contiguous(), source)
     return None
 
 
@@ -127,8 +157,12 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-def _compiler() -> Optional[str]:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> Optional[list]:
+    """The C compiler's command ($CC may carry arguments, e.g. 'ccache gcc'), or None."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _library():
@@ -136,7 +170,7 @@ def _library():
 
 
 @functools.lru_cache(maxsize=None)
-def build_library(isa_flags: tuple = NATIVE):
+def build_library(isa_flags: tuple):
     """The C library compiled with `isa_flags` (cached per machine under $DIFFSPEC_CACHE/kernels) and loaded, or a
     KernelUnavailable that says why not."""
     from .machine_keys import cache_key, machine_key
@@ -154,11 +188,12 @@ def build_library(isa_flags: tuple = NATIVE):
             where.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=where.parent) as tmp:
                 out = Path(tmp) / where.name
-                run = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                run = subprocess.run([*cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+                                     timeout=600)
                 if run.returncode != 0:
-                    return KernelUnavailable(f"{cc} could not compile {SOURCE.name}: {run.stderr.strip()[-400:]}")
+                    return KernelUnavailable(f"{' '.join(cc)} could not compile {SOURCE.name}: {run.stderr.strip()[-400:]}")
                 os.replace(out, where)
-        except OSError as e:
+        except (OSError, subprocess.TimeoutExpired) as e:
             return KernelUnavailable(f"could not build {SOURCE.name} under {where.parent}: {e}")
     try:
         lib = ctypes.CDLL(str(where))
@@ -166,8 +201,8 @@ def build_library(isa_flags: tuple = NATIVE):
         return KernelUnavailable(f"could not load {where}: {e}")
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
-    lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q4_linear.restype = lib.diffspec_q8_linear.restype = None
     return lib
 
@@ -201,11 +236,12 @@ def _run_kernel(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         x = x.contiguous()
     k, n = x.shape[-1], codes.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    if offsets is not None:
+    if codes.dtype == torch.uint8:
         lib.diffspec_q4_linear(x.data_ptr(), x.numel() // k, k, codes.data_ptr(), scales.data_ptr(),
-                               offsets.data_ptr(), n, y.data_ptr())
+                               offsets.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
     else:
-        lib.diffspec_q8_linear(x.data_ptr(), x.numel() // k, k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr())
+        lib.diffspec_q8_linear(x.data_ptr(), x.numel() // k, k, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
+                               torch.get_num_threads())
     return y
 
 
@@ -224,8 +260,9 @@ def _(x, codes, scales, offsets):
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear(x, W, bias) for W = weight.decode(), x float32 on the CPU."""
-    if x.dtype != torch.float32 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"packed_linear takes float32 rows of {weight.shape[1]}, got {x.dtype} {tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"packed_linear takes float32 CPU rows of {weight.shape[1]}, got {x.dtype} on "
+                         f"{x.device.type}, {tuple(x.shape)}")
     run = _packed_linear if torch.compiler.is_compiling() else _run_kernel
     y = run(x, weight.codes, weight.scales, weight.offsets)
     return y + bias if bias is not None else y
@@ -233,10 +270,9 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Te
 
 def pack_model(model: torch.nn.Module, quiet: bool = True) -> dict:
     """Pack every linear layer of `model` whose weight is GGUF codes exactly (PackedWeight on the module as
-    `packed_weight`; a weight shared by two layers, as a tied head, is packed once). Returns
-    {(out, in): whether every layer of that shape was packed}; empty where the kernel is unavailable."""
-    if unavailable() is not None:
-        return {}
+    `packed_weight`, else None; a weight shared by two layers, as a tied head, is packed once). Returns
+    {(out, in): whether every layer of that shape was packed}. Where layers are codes but the kernel cannot
+    run here (no C compiler), nothing is packed, and unless `quiet` stderr says why."""
     from .kernels import linear_groups
 
     packed, seen = {}, {}
@@ -249,8 +285,17 @@ def pack_model(model: torch.nn.Module, quiet: bool = True) -> dict:
             mod.packed_weight = seen[key]
             ok = ok and seen[key] is not None
         packed[shape] = ok
-    if not quiet and any(packed.values()):
-        total = sum(p.nbytes for p in seen.values() if p is not None)
+    found = [p for p in seen.values() if p is not None]
+    if found and (why := unavailable()) is not None:
+        for mods in linear_groups(model).values():
+            for mod in mods:
+                mod.packed_weight = None
+        if not quiet:
+            print(f"diffspec: the target's weights are GGUF codes, but the packed kernel cannot run here ({why}): "
+                  f"float32 kernels only", file=sys.stderr, flush=True)
+        return {shape: False for shape in packed}
+    if not quiet and found:
+        total = sum(p.nbytes for p in found)
         print(f"diffspec: the target's GGUF-coded weights packed for the {isa()} kernel ({total / 2**20:.0f} MiB)",
               file=sys.stderr, flush=True)
     return packed

@@ -455,7 +455,9 @@ class Target(TargetBase):
             if any(self.linear_plan.mm_rows.values()):  # other kernels, other costs
                 self._fingerprint = cache_key(self._fingerprint, self.linear_plan.to_json()["mm_rows"])
             if any(self.linear_plan.packed_rows.values()):
-                self._fingerprint = cache_key(self._fingerprint, "packed", self.linear_plan.to_json()["packed_rows"])
+                from .packed_linear import kernel_key
+                self._fingerprint = cache_key(self._fingerprint, "packed", kernel_key(),
+                                              self.linear_plan.to_json()["packed_rows"])
             if self.greedy_head is not None:
                 self._fingerprint = cache_key(self._fingerprint, "greedy-head", sorted(self.linear_plan.head_rows))
             if self.model.config._attn_implementation != "sdpa":
