@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DiffspecError
+from .packed_linear import linear_groups  # noqa: F401 (kernels.linear_groups: the groups a plan is made for)
 from .timing import median_seconds
 
 KERNELS = ("auto", "multi-row", "stock")
@@ -142,14 +143,6 @@ def _in_buckets(buckets: Optional[frozenset], rows: int) -> bool:
     if not buckets or rows > ROW_BUCKETS[-1]:
         return False
     return max(b for b in ROW_BUCKETS if b <= rows) in buckets
-
-
-def linear_groups(model: torch.nn.Module) -> Dict[Shape, list]:
-    groups: Dict[Shape, list] = {}
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear):
-            groups.setdefault(tuple(mod.weight.shape), []).append(mod)
-    return groups
 
 
 def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

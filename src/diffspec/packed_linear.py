@@ -268,13 +268,20 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Te
     return y + bias if bias is not None else y
 
 
+def linear_groups(model: torch.nn.Module) -> dict:
+    """{(out, in): [the model's nn.Linear layers of that weight shape]} (kernels.py plans by these groups)."""
+    groups: dict = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            groups.setdefault(tuple(mod.weight.shape), []).append(mod)
+    return groups
+
+
 def pack_model(model: torch.nn.Module, quiet: bool = True) -> dict:
     """Pack every linear layer of `model` whose weight is GGUF codes exactly (PackedWeight on the module as
     `packed_weight`, else None; a weight shared by two layers, as a tied head, is packed once). Returns
     {(out, in): whether every layer of that shape was packed}. Where layers are codes but the kernel cannot
     run here (no C compiler), nothing is packed, and unless `quiet` stderr says why."""
-    from .kernels import linear_groups
-
     packed, seen = {}, {}
     for shape, mods in linear_groups(model).items():
         ok = True
