@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DiffspecError
-from .packed_linear import linear_groups  # noqa: F401 (kernels.linear_groups: the groups a plan is made for)
+from .packed_linear import current_pack, kernel_key, linear_groups, pack_model, packed_linear
 from .timing import median_seconds
 
 KERNELS = ("auto", "multi-row", "stock")
@@ -162,8 +162,6 @@ def mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 def measure_plan(model: torch.nn.Module, reps: int = 5) -> LinearPlan:
     """Time F.linear against mm(W, x^T), and the packed kernel where a shape's layers are GGUF codes
     (packed_linear.py: `pack_model` first), for every weight shape and row bucket (see the module docstring)."""
-    from .packed_linear import current_pack, packed_linear
-
     mm_rows, packed_rows, timings = {}, {}, {}
     for shape, mods in linear_groups(model).items():
         weights = [m.weight for m in mods]
@@ -220,7 +218,6 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
     linear layer or this CPU has no native bf16 matmul. Timed on rows aimed at some of the head's own
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
     from .greedy_head import GreedyHead, unscreenable
-    from .packed_linear import current_pack, packed_linear
 
     head = model.get_output_embeddings()
     if unscreenable(head):
@@ -250,7 +247,6 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
 
 def plan_path(model: torch.nn.Module):
     from .machine_keys import cache_key, cost_dir, machine_key
-    from .packed_linear import current_pack, kernel_key
 
     def kinds(mods):  # the codes a shape's layers are packed as (a Q4 and a Q8 file of one model time apart)
         packs = [current_pack(m) for m in mods]
@@ -322,8 +318,6 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
     check_kernels(mode)
     if mode == "stock":
         return LinearPlan()
-    from .packed_linear import current_pack, pack_model
-
     mods = [m for group in linear_groups(model).values() for m in group]
     if any(not hasattr(m, "packed_weight") or (m.packed_weight is not None and current_pack(m) is None) for m in mods):
         pack_model(model, quiet=quiet)  # never packed, or packed before its weights changed (a copy, a cast)
@@ -335,8 +329,6 @@ def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
     """The layer's routed forward, bound to it as a method: a deep copy of the model (the drafters' dtype
     trial) rebinds it to the copy, whose own weights it then uses (a closure over `mod` would keep
     computing with the original's)."""
-    from .packed_linear import packed_linear
-
     mm_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_mm(shape, r))
     packed_for = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1) if plan.uses_packed(shape, r))
 

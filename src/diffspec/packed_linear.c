@@ -16,6 +16,7 @@
  * rows R (lanes of the vector width over k, fused multiply-adds, then one fixed horizontal sum), so a
  * row's output is bitwise the same in a one-row step and in a wide verify pass. */
 
+#include <stddef.h>
 #include <stdint.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -125,35 +126,21 @@ INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
 const char *diffspec_packed_isa(void) { return ISA; }
 
 /* G rows of x (a compile-time count once inlined, so the accumulators stay in registers) through WR weight rows
- * (1 or 2: two rows share every load of x). Each (row of x, weight row) keeps two accumulators, the even and the
- * odd vectors of every block, added at the end, then summed across lanes: the same operations in the same order
- * for an output whatever G and WR are. */
-INLINE void rows_q4(const int G, const int WR, const float *x, int64_t K, const uint8_t *qrow, const float *drow,
-                    const float *mrow, float *y, int64_t N) {
-    const int64_t nb = K / BLOCK;
+ * (1 or 2: two rows share every load of x) of a Q4 (Q4 = 1: codes K/2 bytes a row, offsets m) or Q8 weight.
+ * Each (row of x, weight row) keeps two accumulators, the even and the odd vectors of every block, added at the
+ * end, then summed across lanes: the same operations in the same order for an output whatever G and WR are. */
+INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_t K, const void *qrow,
+                 const float *drow, const float *mrow, float *y, int64_t N) {
+    const int64_t nb = K / BLOCK, row_bytes = Q4 ? K / 2 : K, block_bytes = Q4 ? BLOCK / 2 : BLOCK;
     vec acc[PAIR_GROUP_MAX][2][2], w[2][VECS];
     for (int i = 0; i < G; i++)
         for (int r = 0; r < WR; r++) acc[i][r][0] = acc[i][r][1] = vzero();
     for (int64_t b = 0; b < nb; b++) {
-        for (int r = 0; r < WR; r++) decode_q4(qrow + r * (K / 2) + b * (BLOCK / 2), drow[r * nb + b], mrow[r * nb + b], w[r]);
-        for (int i = 0; i < G; i++)
-            for (int j = 0; j < VECS; j++) {
-                const vec xv = vload(x + i * K + b * BLOCK + j * LANES);
-                for (int r = 0; r < WR; r++) acc[i][r][j & 1] = vfma(w[r][j], xv, acc[i][r][j & 1]);
-            }
-    }
-    for (int i = 0; i < G; i++)
-        for (int r = 0; r < WR; r++) y[i * N + r] = vsum(vadd(acc[i][r][0], acc[i][r][1]));
-}
-
-INLINE void rows_q8(const int G, const int WR, const float *x, int64_t K, const int8_t *qrow, const float *drow,
-                    float *y, int64_t N) {
-    const int64_t nb = K / BLOCK;
-    vec acc[PAIR_GROUP_MAX][2][2], w[2][VECS];
-    for (int i = 0; i < G; i++)
-        for (int r = 0; r < WR; r++) acc[i][r][0] = acc[i][r][1] = vzero();
-    for (int64_t b = 0; b < nb; b++) {
-        for (int r = 0; r < WR; r++) decode_q8(qrow + r * K + b * BLOCK, drow[r * nb + b], w[r]);
+        for (int r = 0; r < WR; r++) {
+            const void *qb = (const uint8_t *)qrow + r * row_bytes + b * block_bytes;
+            if (Q4) decode_q4((const uint8_t *)qb, drow[r * nb + b], mrow[r * nb + b], w[r]);
+            else decode_q8((const int8_t *)qb, drow[r * nb + b], w[r]);
+        }
         for (int i = 0; i < G; i++)
             for (int j = 0; j < VECS; j++) {
                 const vec xv = vload(x + i * K + b * BLOCK + j * LANES);
@@ -182,7 +169,7 @@ INLINE void rows_q8(const int G, const int WR, const float *x, int64_t K, const 
 /* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32; every array contiguous); W's rows (or pairs of
  * rows, for passes wider than ROW_GROUP where PAIR_GROUP is set) split among `threads` OpenMP threads (torch's
  * count, passed on each call). Either way an output is computed by the same operations. */
-#define LINEAR_BODY(QROW, DROW, MROW, CALL)                                                              \
+#define LINEAR_BODY(CALL)                                                              \
     if (PAIR_GROUP && R > ROW_GROUP) {                                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t p = 0; p < (N + 1) / 2; p++) {                                                      \
@@ -206,14 +193,14 @@ INLINE void rows_q8(const int G, const int WR, const float *x, int64_t K, const 
 
 void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, const float *d,
                         const float *m, int64_t N, float *y, int threads) {
-#define Q4(G, WR) rows_q4(G, WR, x + r0 * K, K, q + n * (K / 2), d + n * (K / BLOCK), m + n * (K / BLOCK), y + r0 * N + n, N)
-    LINEAR_BODY(, , , Q4)
+#define Q4(G, WR) rows(1, G, WR, x + r0 * K, K, q + n * (K / 2), d + n * (K / BLOCK), m + n * (K / BLOCK), y + r0 * N + n, N)
+    LINEAR_BODY(Q4)
 #undef Q4
 }
 
 void diffspec_q8_linear(const float *x, int64_t R, int64_t K, const int8_t *q, const float *d,
                         int64_t N, float *y, int threads) {
-#define Q8(G, WR) rows_q8(G, WR, x + r0 * K, K, q + n * K, d + n * (K / BLOCK), y + r0 * N + n, N)
-    LINEAR_BODY(, , , Q8)
+#define Q8(G, WR) rows(0, G, WR, x + r0 * K, K, q + n * K, d + n * (K / BLOCK), NULL, y + r0 * N + n, N)
+    LINEAR_BODY(Q8)
 #undef Q8
 }

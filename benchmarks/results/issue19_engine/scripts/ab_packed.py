@@ -17,18 +17,12 @@ from diffspec import kernels as K
 from diffspec.devices import host_info
 from diffspec.greedy_head import GreedyHead
 from diffspec.target import Target
-from passes import greedy_choices, median_pass_ms, on_context
+from passes import float32_plan, greedy_choices, median_pass_ms, on_context
 
 torch.set_num_threads(2)
 t = Target.load(None, quiet=False, kernels="auto")
 packed = t.linear_plan
-mods = [m for ms in K.linear_groups(t.model).values() for m in ms]
-saved = {m: m.packed_weight for m in mods}
-for m in mods:
-    m.packed_weight = None
-fp32 = K.measure_plan(t.model)  # the plan as it was: no layer packed
-for m, p in saved.items():
-    m.packed_weight = p
+fp32, _ = float32_plan(t)  # the plan as it was: no layer packed
 screen = GreedyHead.for_model(t.model)[0]
 plans = {"before": K.LinearPlan(), "fp32": fp32, "packed": packed}
 print("packed plan:", packed.describe(), "\nfp32 plan:", fp32.describe(), flush=True)

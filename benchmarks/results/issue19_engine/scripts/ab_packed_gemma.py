@@ -14,22 +14,16 @@ from diffspec import kernels as K
 from diffspec.devices import host_info
 from diffspec.greedy_head import GreedyHead
 from diffspec.target import Target
-from passes import greedy_choices, median_pass_ms, on_context
+from passes import float32_plan, greedy_choices, median_pass_ms, on_context
 
 torch.set_num_threads(2)
 t = Target.load("gemma3-270m", quiet=False, kernels="auto")
 packed = t.linear_plan
-mods = [m for ms in K.linear_groups(t.model).values() for m in ms]
-saved = {m: m.packed_weight for m in mods}
-packed_layers = sum(p is not None for p in saved.values())
-for m in mods:
-    m.packed_weight = None
-fp32 = K.measure_plan(t.model)
-for m, p in saved.items():
-    m.packed_weight = p
+fp32, packed_layers = float32_plan(t)
+linear_layers = sum(len(group) for group in K.linear_groups(t.model).values())
 screen = GreedyHead.for_model(t.model)[0]
 plans = {"fp32": fp32, "packed": packed}
-print(f"{packed_layers} of {len(mods)} linear layers packed\npacked plan:", packed.describe(), "\nfp32 plan:", fp32.describe(), flush=True)
+print(f"{packed_layers} of {linear_layers} linear layers packed\npacked plan:", packed.describe(), "\nfp32 plan:", fp32.describe(), flush=True)
 ids = torch.randint(0, t.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
 ctx = 256
 res, agree = {}, {}
@@ -49,5 +43,5 @@ for k in (0, 1, 3, 7):
           + f"   fp32/packed x{res[k]['fp32'] / res[k]['packed']:.2f}  same greedy choices: {agree[k]}", flush=True)
 if len(sys.argv) > 1:
     json.dump({"context": ctx, "ms": res, "same_greedy_choices": agree, "packed_layers": packed_layers,
-               "linear_layers": len(mods), "packed_plan": packed.describe(), "fp32_plan": fp32.describe(),
+               "linear_layers": linear_layers, "packed_plan": packed.describe(), "fp32_plan": fp32.describe(),
                "host": host_info()}, open(sys.argv[1], "w"), indent=1)

@@ -34,3 +34,19 @@ def median_pass_ms(t, ids, ctx, k, reps=5, each=nullcontext, read=logits):
         t.truncate(ctx)
     ts = sorted(ts[1:])
     return ts[len(ts) // 2] * 1e3, last
+
+
+def float32_plan(t):
+    """The matmul plan `t`'s model would get with no layer packed (packed_linear.py), measured now: the packs
+    are set aside for the measurement and put back. -> (that plan, how many linear layers are packed)."""
+    from diffspec import kernels as K
+
+    mods = [m for group in K.linear_groups(t.model).values() for m in group]
+    saved = {m: m.packed_weight for m in mods}
+    for m in mods:
+        m.packed_weight = None
+    try:
+        return K.measure_plan(t.model), sum(p is not None for p in saved.values())
+    finally:
+        for m, p in saved.items():
+            m.packed_weight = p
