@@ -24,6 +24,7 @@ import torch
 from .cache import (cache_length, copy_fixed_cache, fixed_cache_capacity, fixed_capacity, new_cache,
                     new_fixed_cache, reserve_cache, set_fixed_length, truncate_cache)
 from .errors import DiffspecError
+from .llama_pass import cache_applies
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
 
@@ -277,6 +278,13 @@ class Target(TargetBase):
             attention.install(model)  # GQA without copying the cache (attention.py)
         else:
             attention.uninstall(model)  # transformers' own, whatever ran this model before
+        # transformers' arithmetic with fewer calls, for Llama-architecture targets on a CPU (llama_pass.py): eager
+        # passes on the position-indexed cache take it (bitwise the same outputs)
+        self.direct_pass = None
+        if kernels != "stock" and self.device.type == "cpu":
+            from . import llama_pass
+            if llama_pass.applies(model):
+                self.direct_pass = llama_pass.LlamaPass(model, self.linear_plan)
         # greedy choices screened past the fp32 head where the plan measured it faster (greedy_head.py)
         self.greedy_head, self.greedy_head_note = None, "not measured faster"
         if kernels == "stock" or self.device.type != "cpu":
@@ -373,9 +381,12 @@ class Target(TargetBase):
         started, before = time.perf_counter(), self.cache_len
         try:
             if width is None:
-                out = self.model(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
-                                 use_cache=True, output_hidden_states=bool(hidden_layers) or screen,
-                                 logits_to_keep=self._no_logits if screen else (0 if logits else 1))
+                run = self.model
+                if self.direct_pass is not None and not self.fixed_cache and cache_applies(self._cache, self.num_layers):
+                    run = self.direct_pass.forward
+                out = run(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
+                          use_cache=True, output_hidden_states=bool(hidden_layers) or screen,
+                          logits_to_keep=self._no_logits if screen else (0 if logits else 1))
                 self._length += n if self.fixed_cache else 0
             else:
                 out = self._compiled_pass(tokens.reshape(n).to(self.device), width, screen)
@@ -440,6 +451,7 @@ class Target(TargetBase):
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
         return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
                 "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json(),
+                "forward": "direct (llama_pass.py)" if self.direct_pass is not None else "transformers",
                 "greedy_head": (f"screened (bf16 product, exact rescoring) for rows "
                                 f"{','.join(map(str, sorted(self.linear_plan.head_rows)))}" if self.greedy_head
                                 else f"fp32 logits ({self.greedy_head_note})"),
@@ -458,6 +470,8 @@ class Target(TargetBase):
                 from .packed_linear import kernel_key
                 self._fingerprint = cache_key(self._fingerprint, "packed", kernel_key(),
                                               self.linear_plan.to_json()["packed_rows"])
+            if self.direct_pass is not None:  # the same outputs, other costs
+                self._fingerprint = cache_key(self._fingerprint, "direct-pass")
             if self.greedy_head is not None:
                 self._fingerprint = cache_key(self._fingerprint, "greedy-head", sorted(self.linear_plan.head_rows))
             if self.model.config._attn_implementation != "sdpa":

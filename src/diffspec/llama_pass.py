@@ -1,0 +1,196 @@
+"""A direct forward pass for Llama-architecture targets on a CPU (issue 19): transformers' arithmetic, op for op,
+without its Python around it.
+
+Once the matmuls read GGUF codes (packed_linear.py), a one-row step of SmolLM2-135M spends more time outside
+its matmuls than in them: transformers' forward makes ~60 tensor ops and ~13 module calls per decoder layer
+(RMSNorm as six ops, rotary embeddings as seven per tensor, the cache's update, the attention interface, output
+capturing hooks, mask construction), each a few microseconds on a CPU. `forward` below runs the same model in
+the same arithmetic with fewer calls:
+- the same operations on the same values in the same order wherever a value is computed (RMSNorm, rotary
+  embeddings, SwiGLU, residuals, SDPA with the same mask and flags), so its logits and hidden states equal
+  transformers' own pass bitwise (tested at every pass width, fresh and on a cache, with and without packed
+  layers);
+- fewer calls: the linear layers' routed forwards called directly (kernels.py's plan, no module call); where
+  the plan runs q/k/v (and gate/up) through the packed kernel, one kernel call for the three (two) on their
+  concatenated codes, which computes every output by the same operations (the kernel sums each output
+  alone, whatever the rows around it); rotary embeddings applied to queries and keys in one go; the
+  position-indexed cache's layers written directly (cache.PositionalLayer);
+- no attention mask for a one-row pass (as transformers: none needed), a boolean causal mask otherwise.
+
+It takes a model only where that equality is tested: `LlamaForCausalLM` with SiLU, no biases, no tensor-parallel
+split, sdpa attention (or attention.py's GQA variant of it) and a cache of position-indexed layers (`applies`).
+Everything else (other architectures, sliding windows, a fixed-capacity cache, compiled passes, CUDA) runs
+transformers' forward as before.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .cache import PositionalLayer
+from .packed_linear import PackedWeight, _run_kernel, current_pack
+
+
+def applies(model: torch.nn.Module) -> bool:
+    """Whether `LlamaPass.forward` computes exactly what `model(...)` would for this model (on a cache of
+    position-indexed layers: `cache_applies`)."""
+    from transformers import LlamaForCausalLM
+
+    from .attention import GQA_SDPA
+
+    if type(model) is not LlamaForCausalLM or model.training:
+        return False
+    cfg = model.config
+    if (cfg.hidden_act != "silu" or getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False)
+            or getattr(cfg, "pretraining_tp", 1) != 1 or cfg._attn_implementation not in ("sdpa", GQA_SDPA)
+            or len(model.model.layers) != cfg.num_hidden_layers):
+        return False
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    # hooks (accelerate's offloading, a user's): the pass calls layers' forwards directly and would skip them.
+    # transformers' own output-capturing hooks (what output_hidden_states reads) are not needed: the pass
+    # collects the hidden states itself.
+    return not any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE for m in model.modules()
+                   for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+
+
+_TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+
+
+def cache_applies(cache, num_layers: int) -> bool:
+    layers = getattr(cache, "layers", None)
+    return layers is not None and len(layers) == num_layers and all(type(l) is PositionalLayer for l in layers)
+
+
+def _concatenated(packs) -> Optional[PackedWeight]:
+    """One PackedWeight of the given packs' output rows stacked (all of one kind), or None."""
+    if any(p is None for p in packs) or len({p.kind for p in packs}) != 1:
+        return None
+    offsets = None if packs[0].offsets is None else torch.cat([p.offsets for p in packs])
+    return PackedWeight(packs[0].kind, torch.cat([p.codes for p in packs]), torch.cat([p.scales for p in packs]),
+                        offsets, ())
+
+
+class _Fused:
+    """Linear layers that take the same input, run as one packed kernel call where each is packed and routed to
+    the packed kernel for the pass's row count (bitwise the same outputs: the kernel sums each output alone);
+    otherwise each through its own forward (kernels.py's routed one where installed)."""
+
+    def __init__(self, mods):
+        self.mods = mods
+        self.sizes = [m.weight.shape[0] for m in mods]
+        self.shapes = [tuple(m.weight.shape) for m in mods]
+        self.packs = None
+        self.packed = None
+
+    def packed_for(self, rows: int, plan) -> Optional[PackedWeight]:
+        """The concatenated pack, where this pass's row count runs every layer through the packed kernel."""
+        if plan is None or not all(plan.uses_packed(s, rows) for s in self.shapes):
+            return None
+        if not all("forward" in m.__dict__ for m in self.mods):  # kernels.stock_kernels: F.linear, as transformers
+            return None
+        packs = tuple(current_pack(m) for m in self.mods)
+        if self.packs is None or any(a is not b for a, b in zip(packs, self.packs)):
+            self.packs, self.packed = packs, _concatenated(packs)  # packed again (or no longer): concatenate again
+        return self.packed
+
+    def __call__(self, x: torch.Tensor, rows: int, plan):
+        packed = self.packed_for(rows, plan)
+        if packed is not None:
+            return _run_kernel(x, packed.codes, packed.scales, packed.offsets)
+        return [m.forward(x) for m in self.mods]
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: in float32, `weight * (x * rsqrt(mean(x^2) + eps))`. For float32 rows that is
+    torch's own rms_norm on a CPU, the same operations on the same values (pow, mean, add, rsqrt, mul, mul by the
+    weight) in one call; other dtypes go through float32 as transformers does."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaPass:
+    """`forward` for one model (its fused layer groups built once)."""
+
+    def __init__(self, model: torch.nn.Module, plan=None):
+        self.model = model
+        self.plan = plan if plan is not None and any(plan.packed_rows.values()) else None
+        cfg = model.config
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.qkv = [_Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.model.layers]
+        self.gate_up = [_Fused([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, past_key_values, use_cache: bool = True,
+                output_hidden_states: bool = False, logits_to_keep=0):
+        """As `model(input_ids=..., past_key_values=..., use_cache=True, output_hidden_states=...,
+        logits_to_keep=...)`: .logits [1, kept rows, V] and .hidden_states (the embeddings, then each layer's
+        output, the last one normed) when asked."""
+        model, cache = self.model, past_key_values
+        n, start = input_ids.shape[1], cache.layers[0].get_seq_length()
+        inner = model.model
+        h = F.embedding(input_ids, inner.embed_tokens.weight, inner.embed_tokens.padding_idx)
+        position_ids = torch.arange(start, start + n).unsqueeze(0)
+        cos, sin = inner.rotary_emb(h, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if n == 1:
+            mask, causal = None, False
+        elif start == 0:
+            mask, causal = None, True
+        else:  # row i sees positions up to start + i (transformers' sdpa mask, boolean)
+            mask = (torch.arange(start + n) <= torch.arange(start, start + n)[:, None])[None, None]
+            causal = False
+        hidden = [h] if output_hidden_states else None
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = _rms_norm(h, layer.input_layernorm)
+            qkv = self.qkv[i](x, n, self.plan)
+            if isinstance(qkv, torch.Tensor):  # one packed call: rotate queries and keys in one go
+                heads = qkv.view(1, n, H + 2 * KV, D).transpose(1, 2)
+                qk = heads[:, :H + KV]
+                qk = (qk * cos) + (_rotate_half(qk) * sin)
+                q, k, v = qk[:, :H], qk[:, H:], heads[:, H + KV:]
+            else:
+                q, k, v = qkv
+                q = q.view(1, n, H, D).transpose(1, 2)
+                k = k.view(1, n, KV, D).transpose(1, 2)
+                v = v.view(1, n, KV, D).transpose(1, 2)
+                q = (q * cos) + (_rotate_half(q) * sin)
+                k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = cache.layers[i].update(k, v)
+            if causal and keys.shape[2] > n:
+                keys, values = keys[:, :, :n], values[:, :, :n]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=attn.scaling,
+                                               is_causal=causal, enable_gqa=KV != H)
+            o = o.transpose(1, 2).reshape(1, n, -1)  # a copy where transformers' .contiguous() makes one
+            h = h + attn.o_proj.forward(o)
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            gate_up = self.gate_up[i](x, n, self.plan)
+            gate, up = gate_up.split(self.gate_up[i].sizes, dim=-1) if isinstance(gate_up, torch.Tensor) else gate_up
+            h = h + layer.mlp.down_proj.forward(F.silu(gate) * up)
+            if hidden is not None:
+                hidden.append(h)
+        h = _rms_norm(h, inner.norm)
+        if hidden is not None:
+            hidden[-1] = h
+        if isinstance(logits_to_keep, int):
+            kept = h[:, -logits_to_keep:, :] if logits_to_keep else h
+        else:
+            kept = h[:, logits_to_keep, :]
+        logits = model.lm_head.forward(kept) if kept.shape[1] else h.new_empty(1, 0, model.lm_head.weight.shape[0])
+        return SimpleNamespace(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)

@@ -1,0 +1,142 @@
+"""The direct Llama pass (llama_pass.py): transformers' arithmetic with fewer calls. It must give transformers'
+own logits and hidden states bitwise, at every pass width, fresh and on a cache, after a rollback, with float32
+and packed (GGUF-code) kernels, and take only the models and caches where that is so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec import attention
+from diffspec import kernels as K
+from diffspec import llama_pass as LP
+from diffspec import packed_linear as P
+from diffspec.cache import new_cache, reserve_cache, truncate_cache
+from diffspec.engine import SpeculativeEngine
+from diffspec.policies import make_policy
+from diffspec.target import Target
+
+from conftest import make_model
+from helpers import RandomDrafter, ScriptedDrafter
+from test_packed_linear import coded_model, every_bucket_packed
+
+#: pass widths in order (a prefill, one-row steps, verify passes of several widths), and rollbacks after some
+PASSES = [(7, 0), (1, 0), (1, 0), (2, 0), (5, 2), (9, 0), (1, 0), (16, 5), (3, 0)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def assert_transformers_bitwise(model, direct, vocab: int, hidden_states: bool = True):
+    ids = torch.randint(3, vocab, (80,), generator=torch.Generator().manual_seed(1))
+    theirs, ours = new_cache(model.config), new_cache(model.config)
+    for cache in (theirs, ours):
+        reserve_cache(cache, 80)
+    pos = 0
+    for n, back in PASSES:
+        x = ids[pos:pos + n].view(1, n)
+        for keep in (0, 1, torch.zeros(0, dtype=torch.long)):
+            with torch.inference_mode():
+                want = model(input_ids=x, past_key_values=theirs, use_cache=True, output_hidden_states=hidden_states,
+                             logits_to_keep=keep)
+            got = direct.forward(x, ours, output_hidden_states=hidden_states, logits_to_keep=keep)
+            assert same_bits(got.logits, want.logits), (n, keep)
+            if hidden_states:
+                assert len(got.hidden_states) == len(want.hidden_states)
+                assert all(same_bits(a, b) for a, b in zip(got.hidden_states, want.hidden_states)), (n, keep)
+            for cache in (theirs, ours):  # the same pass again next time round
+                truncate_cache(cache, pos)
+        with torch.inference_mode():  # keep the last pass, then roll back
+            model(input_ids=x, past_key_values=theirs, use_cache=True)
+        direct.forward(x, ours)
+        for cache in (theirs, ours):
+            truncate_cache(cache, pos + n - back)
+        for a, b in zip(theirs.layers, ours.layers):
+            assert a.length == b.length and same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+        pos += n - back
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_the_direct_pass_equals_transformers_bitwise(dtype, gqa):
+    model = make_model(70, seed=2, dtype=dtype)
+    if gqa:
+        assert attention.install(model)
+    assert LP.applies(model)
+    assert_transformers_bitwise(model, LP.LlamaPass(model), 70)
+
+
+def test_with_packed_kernels_one_call_runs_q_k_v_and_one_gate_up_bitwise(monkeypatch):
+    model = coded_model()
+    P.pack_model(model)
+    plan = every_bucket_packed(model)
+    K.install(model, plan)
+    attention.install(model)
+    calls, original = [], P._run_kernel
+    monkeypatch.setattr(LP, "_run_kernel", lambda x, codes, *a: calls.append(codes.shape[0]) or original(x, codes, *a))
+    direct = LP.LlamaPass(model, plan)
+    direct.forward(torch.tensor([[5, 6, 7]]), new_cache(model.config))
+    layers = model.config.num_hidden_layers
+    q, kv, ff = 64, model.config.num_key_value_heads * 16, model.config.intermediate_size
+    assert calls == [q + 2 * kv, 2 * ff] * layers  # o_proj, down_proj and the head: their own routed forwards
+    assert_transformers_bitwise(model, direct, 96)
+    with K.stock_kernels(model):  # F.linear, as transformers: no packed call of the direct pass's own
+        calls.clear()
+        assert_transformers_bitwise(model, direct, 96, hidden_states=False)
+        assert calls == []
+    K.uninstall(model)
+
+
+def test_it_takes_only_the_models_it_equals():
+    assert LP.applies(make_model(70))
+    biased = make_model(70)
+    biased.config.attention_bias = True
+    hooked = make_model(70)
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a user's hook, which it would skip
+    eager = make_model(70)
+    eager.config._attn_implementation = "eager"
+    training = make_model(70).train()
+    for model in (biased, hooked, eager, training):
+        assert not LP.applies(model)
+    full = new_cache(make_model(70).config)
+    assert LP.cache_applies(full, 2) and not LP.cache_applies(full, 3)
+    from transformers import DynamicCache
+    assert not LP.cache_applies(DynamicCache(config=make_model(70).config), 2)  # transformers' concatenating cache
+
+
+def test_a_target_takes_it_where_it_applies_and_decodes_as_transformers():
+    direct = Target(make_model(70, seed=5, dtype=torch.float32), kernels="auto")
+    stock = Target(make_model(70, seed=5, dtype=torch.float32), kernels="stock")
+    assert direct.runtime()["forward"] == "direct (llama_pass.py)" and stock.runtime()["forward"] == "transformers"
+    other = Target(make_model(70, seed=5, dtype=torch.float32), kernels="auto")
+    other.direct_pass, other._fingerprint = None, None
+    assert direct.base_fingerprint != other.base_fingerprint  # the same outputs, other costs: cost tables apart
+    calls = []
+    original = direct.direct_pass.forward
+    direct.direct_pass.forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    prompt = list(range(5, 17))
+    plain = SpeculativeEngine(direct, None).generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids
+    assert calls  # the target's passes went through it
+    for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(70, seed=4)):
+        engine = SpeculativeEngine(direct, drafter, make_policy("fixed", gamma=5))
+        assert engine.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 12])
+def test_greedy_speculation_through_the_direct_pass_with_packed_kernels_equals_plain(gamma):
+    target = Target(coded_model(), kernels="stock")
+    P.pack_model(target.model)
+    target.linear_plan = every_bucket_packed(target.model)
+    K.install(target.model, target.linear_plan)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
+    prompt = list(range(5, 17))
+    plain = SpeculativeEngine(target, None).generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids
+    for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(96, seed=4)):
+        engine = SpeculativeEngine(target, drafter, make_policy("fixed", gamma=gamma))
+        assert engine.generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids == plain
+    K.uninstall(target.model)
