@@ -25,6 +25,7 @@ transformers' forward as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
@@ -122,8 +123,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """A decoder layer's parts, looked up once (a module's submodules and parameters cost a __getattr__ each)."""
+
+    input_norm: torch.nn.Module
+    qkv: _Fused
+    scaling: float
+    o_proj: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate_up: _Fused
+    down_proj: torch.nn.Module
+
+
 class LlamaPass:
-    """`forward` for one model (its fused layer groups built once)."""
+    """`forward` for one model (its layers' parts and fused groups found once)."""
 
     def __init__(self, model: torch.nn.Module, plan=None):
         self.model = model
@@ -131,8 +145,11 @@ class LlamaPass:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.qkv = [_Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in model.model.layers]
-        self.gate_up = [_Fused([l.mlp.gate_proj, l.mlp.up_proj]) for l in model.model.layers]
+        inner = model.model
+        self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.layers = [_Layer(l.input_layernorm, _Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
+                              l.self_attn.scaling, l.self_attn.o_proj, l.post_attention_layernorm,
+                              _Fused([l.mlp.gate_proj, l.mlp.up_proj]), l.mlp.down_proj) for l in inner.layers]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values, use_cache: bool = True,
@@ -140,12 +157,11 @@ class LlamaPass:
         """As `model(input_ids=..., past_key_values=..., use_cache=True, output_hidden_states=...,
         logits_to_keep=...)`: .logits [1, kept rows, V] and .hidden_states (the embeddings, then each layer's
         output, the last one normed) when asked."""
-        model, cache = self.model, past_key_values
+        cache = past_key_values
         n, start = input_ids.shape[1], cache.layers[0].get_seq_length()
-        inner = model.model
-        h = F.embedding(input_ids, inner.embed_tokens.weight, inner.embed_tokens.padding_idx)
+        h = F.embedding(input_ids, self.embed.weight, self.embed.padding_idx)
         position_ids = torch.arange(start, start + n).unsqueeze(0)
-        cos, sin = inner.rotary_emb(h, position_ids=position_ids)
+        cos, sin = self.rotary(h, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if n == 1:
             mask, causal = None, False
@@ -155,11 +171,9 @@ class LlamaPass:
             mask = (torch.arange(start + n) <= torch.arange(start, start + n)[:, None])[None, None]
             causal = False
         hidden = [h] if output_hidden_states else None
-        H, KV, D = self.heads, self.kv_heads, self.head_dim
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm)
-            qkv = self.qkv[i](x, n, self.plan)
+        H, KV, D, plan = self.heads, self.kv_heads, self.head_dim, self.plan
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            qkv = layer.qkv(_rms_norm(h, layer.input_norm), n, plan)
             if isinstance(qkv, torch.Tensor):  # one packed call: rotate queries and keys in one go
                 heads = qkv.view(1, n, H + 2 * KV, D).transpose(1, 2)
                 qk = heads[:, :H + KV]
@@ -172,25 +186,24 @@ class LlamaPass:
                 v = v.view(1, n, KV, D).transpose(1, 2)
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = cache.layers[i].update(k, v)
+            keys, values = layer_cache.update(k, v)
             if causal and keys.shape[2] > n:
                 keys, values = keys[:, :, :n], values[:, :, :n]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=attn.scaling,
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=layer.scaling,
                                                is_causal=causal, enable_gqa=KV != H)
             o = o.transpose(1, 2).reshape(1, n, -1)  # a copy where transformers' .contiguous() makes one
-            h = h + attn.o_proj.forward(o)
-            x = _rms_norm(h, layer.post_attention_layernorm)
-            gate_up = self.gate_up[i](x, n, self.plan)
-            gate, up = gate_up.split(self.gate_up[i].sizes, dim=-1) if isinstance(gate_up, torch.Tensor) else gate_up
-            h = h + layer.mlp.down_proj.forward(F.silu(gate) * up)
+            h = h + layer.o_proj.forward(o)
+            gate_up = layer.gate_up(_rms_norm(h, layer.post_norm), n, plan)
+            gate, up = gate_up.split(layer.gate_up.sizes, dim=-1) if isinstance(gate_up, torch.Tensor) else gate_up
+            h = h + layer.down_proj.forward(F.silu(gate) * up)
             if hidden is not None:
                 hidden.append(h)
-        h = _rms_norm(h, inner.norm)
+        h = _rms_norm(h, self.norm)
         if hidden is not None:
             hidden[-1] = h
         if isinstance(logits_to_keep, int):
             kept = h[:, -logits_to_keep:, :] if logits_to_keep else h
         else:
             kept = h[:, logits_to_keep, :]
-        logits = model.lm_head.forward(kept) if kept.shape[1] else h.new_empty(1, 0, model.lm_head.weight.shape[0])
+        logits = self.head.forward(kept) if kept.shape[1] else h.new_empty(1, 0, self.head.weight.shape[0])
         return SimpleNamespace(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
