@@ -25,7 +25,7 @@ PASSES = [(7, 0), (1, 0), (1, 0), (2, 0), (5, 2), (9, 0), (1, 0), (16, 5), (3, 0
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+    return t.contiguous().view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, torch.int16))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,7 +61,7 @@ def assert_transformers_bitwise(model, direct, vocab: int, hidden_states: bool =
         pos += n - back
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_the_direct_pass_equals_transformers_bitwise(dtype, gqa):
     model = make_model(70, seed=2, dtype=dtype)

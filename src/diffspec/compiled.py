@@ -18,6 +18,10 @@ passes 30-50 s either way: most of it is dynamo tracing transformers' Python). T
 runs in 24 ms against 31 ms eager; verify passes of 2-8 rows 1.2-1.3x faster than eager; from 9
 rows the matmuls dominate (MKL's GEMM) and compiling saves 5-15%.
 
+Compiled passes trace transformers' forward. Eager passes of a Llama-architecture target on a CPU run the
+direct pass instead (llama_pass.py: the same arithmetic, bitwise, with fewer calls), which is what `auto`
+times its compiled one-row pass against.
+
 The modes:
 - `off` (default): eager, as before.
 - `on`: every decoding or verify pass of at most WIDTH_BUCKETS[-1] rows runs compiled, the graph of
