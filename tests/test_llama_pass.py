@@ -71,7 +71,7 @@ def test_the_direct_pass_equals_transformers_bitwise(dtype, gqa):
     assert_transformers_bitwise(model, LP.LlamaPass(model), 70)
 
 
-def test_with_packed_kernels_one_call_runs_q_k_v_and_one_gate_up_bitwise(monkeypatch):
+def test_with_packed_kernels_one_call_runs_q_k_v_one_gate_up_bitwise(monkeypatch):
     model = coded_model()
     P.pack_model(model)
     plan = every_bucket_packed(model)
@@ -83,7 +83,7 @@ def test_with_packed_kernels_one_call_runs_q_k_v_and_one_gate_up_bitwise(monkeyp
     direct.forward(torch.tensor([[5, 6, 7]]), new_cache(model.config))
     layers = model.config.num_hidden_layers
     q, kv, ff = 64, model.config.num_key_value_heads * 16, model.config.intermediate_size
-    assert calls == [q + 2 * kv, 2 * ff] * layers  # o_proj, down_proj and the head: their own routed forwards
+    assert calls == [q + 2 * kv, q, 2 * ff, model.config.hidden_size] * layers  # the head: its routed forward
     assert_transformers_bitwise(model, direct, 96)
     with K.stock_kernels(model):  # F.linear, as transformers: no packed call of the direct pass's own
         calls.clear()

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import PositionalLayer
+from .kernels import ROW_BUCKETS
 from .packed_linear import PackedWeight, _run_kernel, current_pack
 
 
@@ -77,33 +78,48 @@ def _concatenated(packs) -> Optional[PackedWeight]:
 
 
 class _Fused:
-    """Linear layers that take the same input, run as one packed kernel call where each is packed and routed to
-    the packed kernel for the pass's row count (bitwise the same outputs: the kernel sums each output alone);
-    otherwise each through its own forward (kernels.py's routed one where installed)."""
+    """Linear layers that take the same input, run as one packed kernel call where each is packed and the plan
+    routes each to the packed kernel for the pass's row count (bitwise the same outputs: the kernel sums each
+    output alone); otherwise each through its own forward (kernels.py's routed one where installed). Like the
+    routed forwards, it runs a layer's pack as long as the layer holds it (`packed_weight`); a layer packed again
+    is concatenated again."""
 
-    def __init__(self, mods):
+    def __init__(self, mods, plan=None):
         self.mods = mods
         self.sizes = [m.weight.shape[0] for m in mods]
-        self.shapes = [tuple(m.weight.shape) for m in mods]
-        self.packs = None
-        self.packed = None
+        shapes = [tuple(m.weight.shape) for m in mods]
+        # the plan is fixed: the row counts it runs every one of these layers through the packed kernel
+        self.rows = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1)
+                              if plan is not None and all(plan.uses_packed(s, r) for s in shapes))
+        self.packs, self.packed = None, None
 
-    def packed_for(self, rows: int, plan) -> Optional[PackedWeight]:
-        """The concatenated pack, where this pass's row count runs every layer through the packed kernel."""
-        if plan is None or not all(plan.uses_packed(s, rows) for s in self.shapes):
+    def packed_for(self, rows: int) -> Optional[PackedWeight]:
+        """The layers' packs as one, where this pass's row count runs every layer through the packed kernel."""
+        if rows not in self.rows:
             return None
-        if not all("forward" in m.__dict__ for m in self.mods):  # kernels.stock_kernels: F.linear, as transformers
+        mods = self.mods
+        if not all("forward" in m.__dict__ for m in mods):  # kernels.stock_kernels: F.linear, as transformers
             return None
-        packs = tuple(current_pack(m) for m in self.mods)
-        if self.packs is None or any(a is not b for a, b in zip(packs, self.packs)):
-            self.packs, self.packed = packs, _concatenated(packs)  # packed again (or no longer): concatenate again
+        packs = tuple(getattr(m, "packed_weight", None) for m in mods)
+        if self.packs is None or any(a is not b for a, b in zip(packs, self.packs)):  # first use, or packed again
+            current = tuple(current_pack(m) for m in mods)
+            self.packs = packs
+            ok = all(p is not None and p is c for p, c in zip(packs, current))
+            self.packed = (packs[0] if len(packs) == 1 else _concatenated(packs)) if ok else None
         return self.packed
 
-    def __call__(self, x: torch.Tensor, rows: int, plan):
-        packed = self.packed_for(rows, plan)
+    def __call__(self, x: torch.Tensor, rows: int):
+        """One tensor of all the layers' outputs side by side (one packed call), else a list of each one's."""
+        packed = self.packed_for(rows)
         if packed is not None:
             return _run_kernel(x, packed.codes, packed.scales, packed.offsets)
         return [m.forward(x) for m in self.mods]
+
+    def one(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The output of a group of one layer."""
+        packed = self.packed_for(rows)
+        return _run_kernel(x, packed.codes, packed.scales, packed.offsets) if packed is not None \
+            else self.mods[0].forward(x)
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -130,10 +146,10 @@ class _Layer:
     input_norm: torch.nn.Module
     qkv: _Fused
     scaling: float
-    o_proj: torch.nn.Module
+    o_proj: _Fused
     post_norm: torch.nn.Module
     gate_up: _Fused
-    down_proj: torch.nn.Module
+    down_proj: _Fused
 
 
 class LlamaPass:
@@ -147,9 +163,12 @@ class LlamaPass:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inner = model.model
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
-        self.layers = [_Layer(l.input_layernorm, _Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
-                              l.self_attn.scaling, l.self_attn.o_proj, l.post_attention_layernorm,
-                              _Fused([l.mlp.gate_proj, l.mlp.up_proj]), l.mlp.down_proj) for l in inner.layers]
+        plan = self.plan
+        self.layers = [_Layer(l.input_layernorm,
+                              _Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], plan),
+                              l.self_attn.scaling, _Fused([l.self_attn.o_proj], plan), l.post_attention_layernorm,
+                              _Fused([l.mlp.gate_proj, l.mlp.up_proj], plan), _Fused([l.mlp.down_proj], plan))
+                       for l in inner.layers]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values, use_cache: bool = True,
@@ -171,9 +190,9 @@ class LlamaPass:
             mask = (torch.arange(start + n) <= torch.arange(start, start + n)[:, None])[None, None]
             causal = False
         hidden = [h] if output_hidden_states else None
-        H, KV, D, plan = self.heads, self.kv_heads, self.head_dim, self.plan
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
         for layer, layer_cache in zip(self.layers, cache.layers):
-            qkv = layer.qkv(_rms_norm(h, layer.input_norm), n, plan)
+            qkv = layer.qkv(_rms_norm(h, layer.input_norm), n)
             if isinstance(qkv, torch.Tensor):  # one packed call: rotate queries and keys in one go
                 heads = qkv.view(1, n, H + 2 * KV, D).transpose(1, 2)
                 qk = heads[:, :H + KV]
@@ -192,10 +211,10 @@ class LlamaPass:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=layer.scaling,
                                                is_causal=causal, enable_gqa=KV != H)
             o = o.transpose(1, 2).reshape(1, n, -1)  # a copy where transformers' .contiguous() makes one
-            h = h + layer.o_proj.forward(o)
-            gate_up = layer.gate_up(_rms_norm(h, layer.post_norm), n, plan)
+            h = h + layer.o_proj.one(o, n)
+            gate_up = layer.gate_up(_rms_norm(h, layer.post_norm), n)
             gate, up = gate_up.split(layer.gate_up.sizes, dim=-1) if isinstance(gate_up, torch.Tensor) else gate_up
-            h = h + layer.down_proj.forward(F.silu(gate) * up)
+            h = h + layer.down_proj.one(F.silu(gate) * up, n)
             if hidden is not None:
                 hidden.append(h)
         h = _rms_norm(h, self.norm)
