@@ -1,9 +1,10 @@
-"""The direct pass as committed in 598f8a7 (o_proj and down_proj through their routed forwards, each pack checked
-with current_pack on every call) against now (every packed layer group straight to the kernel, its row counts
-found once from the plan), on the default target in one process, interleaved: a pass of k + 1 rows at a
-256-token context, median of 7 passes per turn, min and median over 7 turns. Needs the git history.
+"""The direct pass as committed in an earlier commit (default 598f8a7: o_proj and down_proj through their routed
+forwards, each pack checked with current_pack on every call) against the working tree's (every packed layer group
+straight to the kernel, its row counts found once from the plan), on the default target in one process,
+interleaved: a pass of k + 1 rows at a 256-token context, median of 7 passes per turn, min and median over 7
+turns. Needs the git history.
 
-    python benchmarks/results/issue19_engine/scripts/ab_direct_groups.py > OUT.txt
+    python benchmarks/results/issue19_engine/scripts/ab_direct_groups.py [COMMIT] > OUT.txt
 """
 import importlib.util
 import statistics
@@ -20,17 +21,18 @@ from passes import greedy_choices, median_pass_ms, on_context
 
 torch.set_num_threads(2)
 root = Path(diffspec.__file__).parents[2]
-old_source = subprocess.run(["git", "-C", str(root), "show", "598f8a7:src/diffspec/llama_pass.py"], check=True,
+commit = sys.argv[1] if len(sys.argv) > 1 else "598f8a7"
+old_source = subprocess.run(["git", "-C", str(root), "show", f"{commit}:src/diffspec/llama_pass.py"], check=True,
                             capture_output=True, text=True).stdout
-path = Path(tempfile.mkdtemp()) / "llama_pass_598f8a7.py"
+path = Path(tempfile.mkdtemp()) / f"llama_pass_{commit}.py"
 path.write_text(old_source)
-spec = importlib.util.spec_from_file_location("diffspec.llama_pass_598f8a7", path)
+spec = importlib.util.spec_from_file_location(f"diffspec.llama_pass_{commit}", path)
 old_module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = old_module  # dataclasses look their module up there
 spec.loader.exec_module(old_module)
 
 t = Target.load(None, quiet=True, kernels="auto")
-ways = {"598f8a7": old_module.LlamaPass(t.model, t.linear_plan), "now": t.direct_pass}
+ways = {commit: old_module.LlamaPass(t.model, t.linear_plan), "now": t.direct_pass}
 ids = torch.randint(0, t.vocab_size, (400,), generator=torch.Generator().manual_seed(0))
 for k in (0, 1, 4, 8, 16):
     row, choices = {}, {}
