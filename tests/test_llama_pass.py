@@ -18,10 +18,10 @@ from diffspec.target import Target
 
 from conftest import make_model
 from helpers import RandomDrafter, ScriptedDrafter
-from test_packed_linear import coded_model, every_bucket_packed
+from test_packed_linear import coded_model, every_bucket_packed, gguf_weight
 
 #: pass widths in order (a prefill, one-row steps, verify passes of several widths), and rollbacks after some
-PASSES = [(7, 0), (1, 0), (1, 0), (2, 0), (5, 2), (9, 0), (1, 0), (16, 5), (3, 0)]
+PASSES = [(7, 0), (1, 0), (1, 0), (2, 0), (5, 2), (9, 0), (1, 0), (16, 5), (3, 0), (70, 4), (1, 0)]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -33,10 +33,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def assert_transformers_bitwise(model, direct, vocab: int, hidden_states: bool = True):
-    ids = torch.randint(3, vocab, (80,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, vocab, (200,), generator=torch.Generator().manual_seed(1))
     theirs, ours = new_cache(model.config), new_cache(model.config)
     for cache in (theirs, ours):
-        reserve_cache(cache, 80)
+        reserve_cache(cache, 200)
     pos = 0
     for n, back in PASSES:
         x = ids[pos:pos + n].view(1, n)
@@ -61,13 +61,18 @@ def assert_transformers_bitwise(model, direct, vocab: int, hidden_states: bool =
         pos += n - back
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_the_direct_pass_equals_transformers_bitwise(dtype, gqa):
     model = make_model(70, seed=2, dtype=dtype)
     if gqa:
         assert attention.install(model)
     assert LP.applies(model)
+    assert_transformers_bitwise(model, LP.LlamaPass(model), 70)
+
+
+def test_rms_norm_rows_as_wide_as_smollm2s_equal_transformers_bitwise():
+    model = make_model(70, seed=4, layers=1, hidden=576, dtype=torch.float32)  # torch's rms_norm on 576-wide rows
     assert_transformers_bitwise(model, LP.LlamaPass(model), 70)
 
 
@@ -92,6 +97,27 @@ def test_with_packed_kernels_one_call_runs_q_k_v_one_gate_up_bitwise(monkeypatch
     K.uninstall(model)
 
 
+def test_layers_packed_for_some_widths_or_in_other_kinds_fall_back_bitwise():
+    model = coded_model()
+    P.pack_model(model)
+    layer = model.model.layers[0].self_attn
+    with torch.no_grad():  # v as Q8 codes: q/k/v cannot be one call in this layer
+        layer.v_proj.weight.copy_(gguf_weight("q8_0", 32, 64, seed=9))
+    P.pack_model(model)
+    assert layer.v_proj.packed_weight.kind == "q8" and layer.q_proj.packed_weight.kind == "q4"
+    plan = K.LinearPlan(packed_rows={(64, 64): frozenset({1, 2, 16}), (32, 64): frozenset({1}),
+                                     (128, 64): frozenset(K.ROW_BUCKETS), (96, 64): frozenset({1, 2})})
+    K.install(model, plan)
+    direct = LP.LlamaPass(model, plan)
+    assert_transformers_bitwise(model, direct, 96)
+    stacked = model.model.layers[1].mlp  # gate/up share one buffer of codes, each layer views of its rows
+    gate, up = stacked.gate_proj.packed_weight, stacked.up_proj.packed_weight
+    assert gate.codes.untyped_storage().data_ptr() == up.codes.untyped_storage().data_ptr()
+    assert P.current_pack(stacked.gate_proj) is gate and P.current_pack(stacked.up_proj) is up
+    assert torch.equal(bits(gate.decode()), bits(stacked.gate_proj.weight))
+    K.uninstall(model)
+
+
 def test_it_takes_only_the_models_it_equals():
     assert LP.applies(make_model(70))
     biased = make_model(70)
@@ -101,7 +127,15 @@ def test_it_takes_only_the_models_it_equals():
     eager = make_model(70)
     eager.config._attn_implementation = "eager"
     training = make_model(70).train()
-    for model in (biased, hooked, eager, training):
+    wide_heads = make_model(70)
+    wide_heads.config.head_dim = 288  # shared key/value heads over 256 dimensions: transformers packs or repeats
+    offloaded = make_model(70)
+    offloaded.model.layers[1].mlp._hf_hook = object()  # accelerate wraps forwards and marks the module so
+    gelu = make_model(70)
+    gelu.config.hidden_act = "gelu"
+    split = make_model(70)
+    split.config.pretraining_tp = 2
+    for model in (biased, hooked, eager, training, wide_heads, offloaded, gelu, split):
         assert not LP.applies(model)
     full = new_cache(make_model(70).config)
     assert LP.cache_applies(full, 2) and not LP.cache_applies(full, 3)
@@ -122,6 +156,11 @@ def test_a_target_takes_it_where_it_applies_and_decodes_as_transformers():
     prompt = list(range(5, 17))
     plain = SpeculativeEngine(direct, None).generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids
     assert calls  # the target's passes went through it
+    direct.model.train()  # changed after the target was built: transformers' forward (bitwise the same)
+    calls.clear()
+    assert SpeculativeEngine(direct, None).generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain
+    assert not calls
+    direct.model.eval()
     for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(70, seed=4)):
         engine = SpeculativeEngine(direct, drafter, make_policy("fixed", gamma=5))
         assert engine.generate(prompt, max_new_tokens=30, stop_token_ids=[]).token_ids == plain

@@ -10,15 +10,18 @@ the same arithmetic with fewer calls:
   embeddings, SwiGLU, residuals, SDPA with the same mask and flags), so its logits and hidden states equal
   transformers' own pass bitwise (tested at every pass width, fresh and on a cache, with and without packed
   layers);
-- fewer calls: the linear layers' routed forwards called directly (kernels.py's plan, no module call); where
-  the plan runs q/k/v (and gate/up) through the packed kernel, one kernel call for the three (two) on their
-  concatenated codes, which computes every output by the same operations (the kernel sums each output
-  alone, whatever the rows around it); rotary embeddings applied to queries and keys in one go; the
-  position-indexed cache's layers written directly (cache.PositionalLayer);
+- fewer calls: where the plan runs q/k/v (and gate/up) through the packed kernel, one kernel call for the
+  three (two) on their codes stacked in one buffer (each layer keeps views of its rows: one copy of the codes),
+  which computes every output by the same operations (the kernel sums each output alone, whatever the rows
+  around it); the other linear layers straight to the kernel or through their routed forwards (kernels.py's
+  plan, no module call); rotary embeddings applied to queries and keys in one go; the position-indexed
+  cache's layers written directly (cache.PositionalLayer);
 - no attention mask for a one-row pass (as transformers: none needed), a boolean causal mask otherwise.
 
 It takes a model only where that equality is tested: `LlamaForCausalLM` with SiLU, no biases, no tensor-parallel
-split, sdpa attention (or attention.py's GQA variant of it) and a cache of position-indexed layers (`applies`).
+split, heads of at most 256 dimensions where key/value heads are shared, sdpa attention (or attention.py's GQA
+variant of it), no forward hooks but transformers' own, and a cache of position-indexed layers (`applies`,
+`cache_applies`; what may change between passes, `still_applies`, is checked on every pass).
 Everything else (other architectures, sliding windows, a fixed-capacity cache, compiled passes, CUDA) runs
 transformers' forward as before.
 """
@@ -32,6 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .attention import GQA_SDPA
 from .cache import PositionalLayer
 from .kernels import ROW_BUCKETS
 from .packed_linear import PackedWeight, _run_kernel, current_pack
@@ -42,22 +46,33 @@ def applies(model: torch.nn.Module) -> bool:
     position-indexed layers: `cache_applies`)."""
     from transformers import LlamaForCausalLM
 
-    from .attention import GQA_SDPA
-
-    if type(model) is not LlamaForCausalLM or model.training:
+    if type(model) is not LlamaForCausalLM or not still_applies(model):
         return False
     cfg = model.config
     if (cfg.hidden_act != "silu" or getattr(cfg, "mlp_bias", False) or getattr(cfg, "attention_bias", False)
-            or getattr(cfg, "pretraining_tp", 1) != 1 or cfg._attn_implementation not in ("sdpa", GQA_SDPA)
-            or len(model.model.layers) != cfg.num_hidden_layers):
+            or getattr(cfg, "pretraining_tp", 1) != 1 or len(model.model.layers) != cfg.num_hidden_layers):
+        return False
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if kv_heads != heads and _head_dim(cfg) > 256:  # transformers then packs query heads as rows, or repeats k/v
         return False
     if any(p.device.type != "cpu" for p in model.parameters()):
         return False
-    # hooks (accelerate's offloading, a user's): the pass calls layers' forwards directly and would skip them.
-    # transformers' own output-capturing hooks (what output_hidden_states reads) are not needed: the pass
-    # collects the hidden states itself.
-    return not any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE for m in model.modules()
-                   for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+    # hooks (accelerate's offloading, which also wraps forwards as `_hf_hook`; a user's): the pass calls layers'
+    # forwards directly and would skip them. transformers' own output-capturing hooks (what output_hidden_states
+    # reads) are not needed: the pass collects the hidden states itself.
+    return not any(hasattr(m, "_hf_hook") or any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE
+                                                 for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+                   for m in model.modules())
+
+
+def still_applies(model: torch.nn.Module) -> bool:
+    """What of `applies` a caller may change between passes (cheap enough to check on every pass): evaluation
+    mode and sdpa attention (attention.py's GQA variant of it, or transformers' own)."""
+    return not model.training and model.config._attn_implementation in ("sdpa", GQA_SDPA)
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
@@ -68,7 +83,7 @@ def cache_applies(cache, num_layers: int) -> bool:
     return layers is not None and len(layers) == num_layers and all(type(l) is PositionalLayer for l in layers)
 
 
-def _concatenated(packs) -> Optional[PackedWeight]:
+def _stacked(packs) -> Optional[PackedWeight]:
     """One PackedWeight of the given packs' output rows stacked (all of one kind), or None."""
     if any(p is None for p in packs) or len({p.kind for p in packs}) != 1:
         return None
@@ -77,53 +92,72 @@ def _concatenated(packs) -> Optional[PackedWeight]:
                         offsets, ())
 
 
-class _Fused:
-    """Linear layers that take the same input, run as one packed kernel call where each is packed and the plan
-    routes each to the packed kernel for the pass's row count (bitwise the same outputs: the kernel sums each
-    output alone); otherwise each through its own forward (kernels.py's routed one where installed). Like the
+def _rows_of(stacked: PackedWeight, start: int, end: int, source: tuple) -> PackedWeight:
+    """Output rows [start, end) of a stacked pack, as views (contiguous: whole rows), for the layer whose weight
+    `source` describes."""
+    offsets = None if stacked.offsets is None else stacked.offsets[start:end]
+    return PackedWeight(stacked.kind, stacked.codes[start:end], stacked.scales[start:end], offsets, source)
+
+
+class _SameInput:
+    """Linear layers that take the same input (q/k/v; gate/up; or one layer alone), run as one packed kernel call
+    where each is packed and the plan routes each to the packed kernel for the pass's row count (bitwise the same
+    outputs: the kernel sums each output alone); otherwise each through its own forward (kernels.py's routed one
+    where installed). The layers' packs are stacked into one buffer once, and each layer is given views of its rows
+    of it in place of its own pack (one copy of the codes, which its routed forward reads as before). Like the
     routed forwards, it runs a layer's pack as long as the layer holds it (`packed_weight`); a layer packed again
-    is concatenated again."""
+    is stacked again."""
 
     def __init__(self, mods, plan=None):
         self.mods = mods
-        self.sizes = [m.weight.shape[0] for m in mods]
         shapes = [tuple(m.weight.shape) for m in mods]
         # the plan is fixed: the row counts it runs every one of these layers through the packed kernel
         self.rows = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1)
                               if plan is not None and all(plan.uses_packed(s, r) for s in shapes))
-        self.packs, self.packed = None, None
+        self.state = (None, None)  # (the layers' packs when last looked at, their stacked pack or None)
 
     def packed_for(self, rows: int) -> Optional[PackedWeight]:
         """The layers' packs as one, where this pass's row count runs every layer through the packed kernel."""
         if rows not in self.rows:
             return None
-        packs = self.packs
+        packs, stacked = self.state
         for i, mod in enumerate(self.mods):  # (a plain loop: this runs 120 times a step)
             held = mod.__dict__
             if "forward" not in held:  # kernels.stock_kernels: F.linear, as transformers
                 return None
             if packs is None or held.get("packed_weight") is not packs[i]:  # first use, or packed again
-                return self._concatenate()
-        return self.packed
+                return self._stack()
+        return stacked
 
-    def _concatenate(self) -> Optional[PackedWeight]:
-        packs = tuple(getattr(m, "packed_weight", None) for m in self.mods)
-        current = tuple(current_pack(m) for m in self.mods)
-        self.packs = packs
-        ok = all(p is not None and p is c for p, c in zip(packs, current))
-        self.packed = (packs[0] if len(packs) == 1 else _concatenated(packs)) if ok else None
-        return self.packed
+    def _stack(self) -> Optional[PackedWeight]:
+        packs = tuple(current_pack(m) for m in self.mods)
+        stacked = None
+        if all(p is not None for p in packs):
+            stacked = packs[0] if len(packs) == 1 else _stacked(packs)
+        if stacked is not None and len(packs) > 1:  # each layer keeps views of its rows of the one buffer
+            start, views = 0, []
+            for mod, pack in zip(self.mods, packs):
+                end = start + pack.shape[0]
+                views.append(_rows_of(stacked, start, end, pack.source))
+                start = end
+            for mod, view in zip(self.mods, views):
+                mod.packed_weight = view
+            packs = tuple(views)
+        else:
+            packs = tuple(getattr(m, "packed_weight", None) for m in self.mods)
+        self.state = (packs, stacked)
+        return stacked
 
     def __call__(self, x: torch.Tensor, rows: int):
         """One tensor of all the layers' outputs side by side (one packed call), else a list of each one's."""
-        packed = self.packed_for(rows)
+        packed = self.packed_for(rows) if x.dtype == torch.float32 and x.is_cpu else None
         if packed is not None:
             return _run_kernel(x, packed.codes, packed.scales, packed.offsets)
         return [m.forward(x) for m in self.mods]
 
     def one(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The output of a group of one layer."""
-        packed = self.packed_for(rows)
+        packed = self.packed_for(rows) if x.dtype == torch.float32 and x.is_cpu else None
         return _run_kernel(x, packed.codes, packed.scales, packed.offsets) if packed is not None \
             else self.mods[0].forward(x)
 
@@ -150,31 +184,30 @@ class _Layer:
     """A decoder layer's parts, looked up once (a module's submodules and parameters cost a __getattr__ each)."""
 
     input_norm: torch.nn.Module
-    qkv: _Fused
+    qkv: _SameInput
     scaling: float
-    o_proj: _Fused
+    o_proj: _SameInput
     post_norm: torch.nn.Module
-    gate_up: _Fused
-    down_proj: _Fused
+    gate_up: _SameInput
+    down_proj: _SameInput
     ffn: int  # gate_proj's outputs
 
 
 class LlamaPass:
-    """`forward` for one model (its layers' parts and fused groups found once)."""
+    """`forward` for one model (its layers' parts and layer groups found once)."""
 
     def __init__(self, model: torch.nn.Module, plan=None):
         self.model = model
-        self.plan = plan if plan is not None and any(plan.packed_rows.values()) else None
+        plan = plan if plan is not None and any(plan.packed_rows.values()) else None
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = _head_dim(cfg)
         inner = model.model
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
-        plan = self.plan
         self.layers = [_Layer(l.input_layernorm,
-                              _Fused([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], plan),
-                              l.self_attn.scaling, _Fused([l.self_attn.o_proj], plan), l.post_attention_layernorm,
-                              _Fused([l.mlp.gate_proj, l.mlp.up_proj], plan), _Fused([l.mlp.down_proj], plan),
+                              _SameInput([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], plan),
+                              l.self_attn.scaling, _SameInput([l.self_attn.o_proj], plan), l.post_attention_layernorm,
+                              _SameInput([l.mlp.gate_proj, l.mlp.up_proj], plan), _SameInput([l.mlp.down_proj], plan),
                               l.mlp.gate_proj.weight.shape[0])
                        for l in inner.layers]
 
@@ -214,8 +247,6 @@ class LlamaPass:
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = layer_cache.update(k, v)
-            if causal and keys.shape[2] > n:
-                keys, values = keys[:, :, :n], values[:, :, :n]
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=layer.scaling,
                                                is_causal=causal, enable_gqa=KV != H)
             o = o.transpose(1, 2).reshape(1, n, -1)  # a copy where transformers' .contiguous() makes one
