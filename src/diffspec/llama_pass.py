@@ -135,14 +135,10 @@ class _SameInput:
         if all(p is not None for p in packs):
             stacked = packs[0] if len(packs) == 1 else _stacked(packs)
         if stacked is not None and len(packs) > 1:  # each layer keeps views of its rows of the one buffer
-            start, views = 0, []
-            for mod, pack in zip(self.mods, packs):
-                end = start + pack.shape[0]
-                views.append(_rows_of(stacked, start, end, pack.source))
-                start = end
-            for mod, view in zip(self.mods, views):
+            ends = [sum(p.shape[0] for p in packs[:i + 1]) for i in range(len(packs))]
+            packs = tuple(_rows_of(stacked, end - p.shape[0], end, p.source) for p, end in zip(packs, ends))
+            for mod, view in zip(self.mods, packs):
                 mod.packed_weight = view
-            packs = tuple(views)
         else:
             packs = tuple(getattr(m, "packed_weight", None) for m in self.mods)
         self.state = (packs, stacked)
@@ -157,9 +153,8 @@ class _SameInput:
 
     def one(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The output of a group of one layer."""
-        packed = self.packed_for(rows) if x.dtype == torch.float32 and x.is_cpu else None
-        return _run_kernel(x, packed.codes, packed.scales, packed.offsets) if packed is not None \
-            else self.mods[0].forward(x)
+        out = self(x, rows)
+        return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

@@ -282,9 +282,8 @@ class Target(TargetBase):
         # transformers' arithmetic with fewer calls, for Llama-architecture targets on a CPU (llama_pass.py): eager
         # passes on the position-indexed cache take it (bitwise the same outputs)
         self.direct_pass = None
-        if kernels != "stock" and self.device.type == "cpu" and not self.fixed_cache:
-            if llama_pass_applies(model):
-                self.direct_pass = LlamaPass(model, self.linear_plan)
+        if kernels != "stock" and self.device.type == "cpu" and not self.fixed_cache and llama_pass_applies(model):
+            self.direct_pass = LlamaPass(model, self.linear_plan)
         # greedy choices screened past the fp32 head where the plan measured it faster (greedy_head.py)
         self.greedy_head, self.greedy_head_note = None, "not measured faster"
         if kernels == "stock" or self.device.type != "cpu":
@@ -382,8 +381,8 @@ class Target(TargetBase):
         try:
             if width is None:
                 run = self.model
-                if (self.direct_pass is not None and not self.fixed_cache and still_applies(self.model)
-                        and cache_applies(self._cache, self.num_layers)):
+                if (self.direct_pass is not None and still_applies(self.model)  # (a fixed-capacity cache: not
+                        and cache_applies(self._cache, self.num_layers)):       # position-indexed layers)
                     run = self.direct_pass.forward
                 out = run(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
                           use_cache=True, output_hidden_states=bool(hidden_layers) or screen,
