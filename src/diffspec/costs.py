@@ -239,6 +239,9 @@ def drafter_key(target, drafter) -> str:
     what = model_fingerprint(model) if isinstance(model, torch.nn.Module) else drafter.describe()
     if drafter.capabilities.compiles_passes and drafter.runs_compiled:  # its draft costs change with it
         what = cache_key(what, "compiled passes")
+    for part in drafter.parts:  # a combined drafter's parts each
+        if part.cost_signature():
+            what = cache_key(what, part.cost_signature())
     return cache_key("drafter", verify_key(target), type(drafter).__name__, drafter.name, what)
 
 

@@ -173,38 +173,48 @@ def _library():
 def build_library(isa_flags: tuple):
     """The C library compiled with `isa_flags` (cached per machine under $DIFFSPEC_CACHE/kernels) and loaded, or a
     KernelUnavailable that says why not."""
-    from .machine_keys import cache_key, machine_key
-    from .models import cache_root
-
-    cc = _compiler()
-    if cc is None:
-        return KernelUnavailable("no C compiler found (set $CC)")
-    source = SOURCE.read_bytes()
-    flags = (*FLAGS, *isa_flags)
-    key = cache_key("packed-linear", hashlib.sha256(source).hexdigest(), cc, flags, machine_key("cpu")["cpu_flags"])
-    where = cache_root() / "kernels" / f"packed_linear-{key}.so"
-    if not where.exists():
-        try:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=where.parent) as tmp:
-                out = Path(tmp) / where.name
-                run = subprocess.run([*cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
-                                     timeout=600)
-                if run.returncode != 0:
-                    return KernelUnavailable(f"{' '.join(cc)} could not compile {SOURCE.name}: {run.stderr.strip()[-400:]}")
-                os.replace(out, where)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return KernelUnavailable(f"could not build {SOURCE.name} under {where.parent}: {e}")
-    try:
-        lib = ctypes.CDLL(str(where))
-    except OSError as e:
-        return KernelUnavailable(f"could not load {where}: {e}")
+    lib = compile_and_load(SOURCE, "packed-linear", isa_flags)
+    if isinstance(lib, KernelUnavailable):
+        return lib
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q4_linear.restype = lib.diffspec_q8_linear.restype = None
     return lib
+
+
+def compile_and_load(source_file: Path, name: str, isa_flags: tuple):
+    """A C file of ours compiled with FLAGS + `isa_flags` by the system's compiler, once per machine (cached under
+    $DIFFSPEC_CACHE/kernels, keyed by the source, compiler, flags and CPU flags), and loaded; or a
+    KernelUnavailable that says why not."""
+    from .machine_keys import cache_key, machine_key
+    from .models import cache_root
+
+    cc = _compiler()
+    if cc is None:
+        return KernelUnavailable("no C compiler found (set $CC)")
+    source = source_file.read_bytes()
+    flags = (*FLAGS, *isa_flags)
+    key = cache_key(name, hashlib.sha256(source).hexdigest(), cc, flags, machine_key("cpu")["cpu_flags"])
+    where = cache_root() / "kernels" / f"{name.replace('-', '_')}-{key}.so"
+    if not where.exists():
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=where.parent) as tmp:
+                out = Path(tmp) / where.name
+                run = subprocess.run([*cc, *flags, str(source_file), "-o", str(out)], capture_output=True, text=True,
+                                     timeout=600)
+                if run.returncode != 0:
+                    return KernelUnavailable(f"{' '.join(cc)} could not compile {source_file.name}: "
+                                             f"{run.stderr.strip()[-400:]}")
+                os.replace(out, where)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return KernelUnavailable(f"could not build {source_file.name} under {where.parent}: {e}")
+    try:
+        return ctypes.CDLL(str(where))
+    except OSError as e:
+        return KernelUnavailable(f"could not load {where}: {e}")
 
 
 def kernel_key() -> str:

@@ -87,6 +87,12 @@ class Drafter(ABC):
     def describe(self) -> str:
         return self.name
 
+    def cost_signature(self) -> str:
+        """What in this code, beyond the weights, sets a draft's time: part of the key of the cached calibration
+        (costs.drafter_key), so a drafter whose pass got faster is timed again rather than planned by the old
+        pass's costs. "" for drafters that never changed."""
+        return ""
+
 
 def draft_may_be_judged(draft: Draft, sampling: SamplingParams) -> bool:
     """May a rule read this draft's tokens and confidences to cut it or to prefer it to another proposal?

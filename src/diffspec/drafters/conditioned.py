@@ -33,6 +33,8 @@ from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from ..timing import median_ms
 from .compile_choice import CompilesPasses
+from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, context_into_cache,
+                               matmul, uses_kernel)
 from .dtype_choice import ChoosesDtype
 
 
@@ -224,6 +226,9 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
         self.max_tokens_per_round = model.cfg.block_size - 1  # and never more
         self._embed = self._head_weight = self._target_head = None
+        self._weights = ServingWeights()  # the lean pass's stacked weights (conditioned_pass.py)
+        self._rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta)
+        self._serving = ServingPass(model)
         self.vocab_size: Optional[int] = None
         self.compute_dtype: Optional[str] = None  # see dtype_choice.py
         self.dtype_note = ""
@@ -246,19 +251,23 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
                                 f"rows (mask token {cfg.mask_token_id}); the target's embeddings have {rows} rows")
         self._embed = embed
         self._target_head = target.output_head_weight()  # shared, never modified
-        self._head_weight = self.model.head_weight(self._target_head)
+        self._set_head(self.model.head_weight(self._target_head))
         self.vocab_size = target.vocab_size
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
         self._settle_compile(target)
 
     def _compile_module(self) -> torch.nn.Module:
-        return self.model
+        if self._serving.model is not self.model:
+            self._serving = ServingPass(self.model)
+        return self._serving
 
     def _compile_extra_parts(self) -> dict:
-        # turning the features a round accepted (1 + accepted rows) into context keys and values: ~40
-        # small ops, ~1 ms a round eagerly (measured: 0.9-1.0 ms for 1-2 rows, 0.3-0.5 compiled)
-        return {"context": self.model.context_keys_values}
+        # turning the features a round accepted (1 + accepted rows) into context keys and values
+        return {"context": self._context_part}
+
+    def _context_part(self, weights, cache, features, positions, cos, sin):
+        context_into_cache(self.model, weights, cache, features, positions, cos, sin)
 
     def _compile_signature(self) -> str:
         return f"block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, draft vocabulary {self.cfg.draft_vocab}"
@@ -268,8 +277,12 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if dtype is not None:
             self.model.to(dtype)
             head = head.to(dtype)
-        self._head_weight = head
+        self._set_head(head)
         self.begin(None)  # the cache is made in the model's dtype
+
+    def _set_head(self, head: torch.Tensor) -> None:
+        self._head_weight = head
+        self._head_matrix = as_matrix(head, uses_kernel(head))  # bf16_linear's tiles where its kernel serves
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
         """Median milliseconds of one steady-state draft after a context of `context_len` positions: the
@@ -294,11 +307,14 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         return ms
 
     def begin(self, prompt_ids) -> None:
-        device = next(self.model.parameters()).device
-        dtype = next(self.model.parameters()).dtype
-        empty = torch.empty(self.cfg.num_key_value_heads, 0, self.cfg.head_dim, device=device, dtype=dtype)
-        self._kv = [(empty, empty) for _ in range(self.cfg.num_hidden_layers)]
-        self._context_len = 0  # positions whose target features were observed (in _kv or _pending)
+        param = next(self.model.parameters())
+        if getattr(self, "_cache", None) is not None and self._cache.dtype == param.dtype \
+                and self._cache.keys[0].device == param.device:
+            self._cache.length = 0  # the buffers are reused: a new request overwrites them from position 0
+        else:
+            self._cache = ContextCache(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim,
+                                       param.dtype, param.device)
+        self._context_len = 0  # positions whose target features were observed (in the cache or _pending)
         self._pending: list = []  # (features [m, F], start) observed, not yet turned into keys/values
 
     @torch.inference_mode()
@@ -310,6 +326,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._pending.append((hidden, start))
         self._context_len += hidden.shape[0]
 
+    @torch.inference_mode()
     def _flush(self) -> None:
         if not self._pending:
             return
@@ -317,13 +334,16 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         start = self._pending[0][1]
         hidden = torch.cat([h for h, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
         self._pending = []
-        positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
         hidden = hidden.to(dtype)
         compiled = self._compiled_part("context")
         if compiled is not None and hidden.storage_offset():  # torch guards a graph on offsets 0/1 vs 2+:
             hidden = hidden.clone()                           # a view into a larger tensor would compile again
-        new = (compiled or self.model.context_keys_values)(hidden, positions)
-        self._kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(self._kv, new)]
+        m = hidden.shape[0]
+        self._cache.reserve(start + m + self.cfg.block_size)  # and room for the block's scratch keys/values
+        cos, sin = self._rope.rows(start, m, dtype, hidden.device)
+        positions = torch.arange(start, start + m, device=hidden.device)
+        (compiled or self._context_part)(self._weights.current(self.model), self._cache, hidden, positions, cos, sin)
+        self._cache.length = start + m
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor) -> torch.Tensor:
@@ -339,11 +359,12 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         dtype = next(self.model.parameters()).dtype
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = context[-1]
-        positions = torch.arange(anchor, anchor + cfg.block_size, device=context.device)
+        self._cache.reserve(anchor + cfg.block_size)
+        cos, sin = self._rope.rows(anchor, cfg.block_size, dtype, context.device)
         # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
-        body = self._compiled_body(self._kv[0][0].shape[1] > 1) or self.model
-        hidden = body(self._embed(block).to(dtype), positions, self._kv)
-        return hidden[1:].to(self._head_weight.dtype) @ self._head_weight.T
+        body = self._compiled_body(self._cache.length > 1) or self._compile_module()
+        hidden = body(self._weights.current(self.model), self._cache, self._embed(block).to(dtype), cos, sin)
+        return matmul(hidden[1:].to(self._head_weight.dtype), self._head_matrix)
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
@@ -362,6 +383,13 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
             for i in range(len(builder), min(len(builder) + k, self.max_tokens_per_round)):
                 builder.add(int(tokens[i]), float(conf[i]), None if q is None else q[i])
         return builder.build(1, context.device)
+
+    def cost_signature(self) -> str:
+        from .. import bf16_linear
+
+        kernel = bf16_linear.isa() if uses_kernel(self._head_weight if self._head_weight is not None
+                                                  else next(self.model.parameters())) else "torch matmuls"
+        return f"lean pass 1 ({kernel})"  # the reference module pass before (52bd839): ~2x the time a round
 
     def describe(self) -> str:
         dtype = self._dtype_text()

@@ -1,0 +1,77 @@
+"""The bf16 kernel of the drafters' few-row passes (bf16_linear.py, bf16_linear.c): every build (this CPU's own,
+AVX-512 without BF16, AVX2, scalar) must compute exactly the documented sums (float32, each pair's odd product
+added before its even one, pairs in order), give a row the same bits in every pass width, and run under
+torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec import bf16_linear as B
+
+pytestmark = pytest.mark.skipif(B.available() is not None, reason=f"bf16 kernel: {B.available()}")
+
+CPU_FLAGS = open("/proc/cpuinfo").read().split()
+BUILDS = {"native": ("-march=native",), "avx512f": ("-mavx512f",), "avx2": ("-mavx2", "-mfma"), "scalar": ()}
+NEEDS = {"avx512f": "avx512f", "avx2": "avx2"}
+
+
+def documented_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 [R, N]: for each pair p in order, acc += w[:, 2p+1] x[:, 2p+1], then acc += w[:, 2p] x[:, 2p] (each
+    product of two bf16 values exact in float32, each add rounded)."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(x.shape[1] // 2):
+        for j in (2 * p + 1, 2 * p):
+            acc = acc + xf[:, j, None] * wf[None, :, j]
+    return acc
+
+
+def bf16_values(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_every_build_computes_the_documented_sums_bitwise_and_rows_alike(build):
+    if build in NEEDS and NEEDS[build] not in CPU_FLAGS:
+        pytest.skip(f"this CPU has no {NEEDS[build]}")
+    lib = B.build_library(BUILDS[build])
+    assert not isinstance(lib, B.KernelUnavailable), lib
+    if build != "native":
+        assert B.isa(lib) == build
+    # 40 rows: two full tiles and a padded one (pairs of tiles, then one alone); K = 70: not a multiple of 32
+    w = bf16_values(40, 70, seed=1)
+    packed = B.pack(w)
+    assert packed.tiles.shape == (3, 35, 16, 2) and packed.n == 40
+    x = bf16_values(19, 70, seed=2)
+    want = documented_sums(x, w)
+    got = B.run_kernel(x, packed, lib=lib)
+    assert torch.equal(got[:, :40], want)
+    assert torch.equal(got[:, 40:], torch.zeros(19, 8))  # the padding rows are zero weights
+    for rows in (1, 3, 4, 5, 8, 9, 17):  # row groups of 4 or 8 and their tails
+        assert torch.equal(B.run_kernel(x[:rows], packed, lib=lib), got[:rows]), rows
+
+
+def test_linear_rounds_once_to_bf16_and_keeps_leading_dimensions():
+    w = bf16_values(24, 32, seed=3)
+    x = bf16_values(2, 5, 32, seed=4)
+    y = B.linear(x, B.pack(w))
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 24)
+    assert torch.equal(y, documented_sums(x.reshape(10, 32), w).bfloat16().reshape(2, 5, 24))
+    # the same product as torch's bf16 matmul up to the order of its float32 sums
+    torch.testing.assert_close(y.float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_pack_takes_only_bf16_cpu_weights_of_even_width():
+    assert B.pack(torch.randn(16, 32)) is None               # float32
+    assert B.pack(torch.randn(16, 31).bfloat16()) is None    # an odd number of inputs
+    assert B.pack(torch.randn(2, 16, 32).bfloat16()) is None  # not a matrix
+    assert B.pack(torch.randn(16, 32).bfloat16()) is not None
+
+
+def test_the_kernel_runs_inside_a_compiled_graph():
+    w = B.pack(bf16_values(32, 64, seed=5))
+    x = bf16_values(3, 64, seed=6)
+    compiled = torch.compile(lambda a: B.linear(a * 2, w) + 1, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), B.linear(x * 2, w) + 1)

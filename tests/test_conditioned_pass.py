@@ -1,0 +1,107 @@
+"""The conditioned drafter's lean serving pass (drafters/conditioned_pass.py) against the reference module pass
+(ConditionedDraftModel.forward over context_keys_values, which the DFlash tests hold equal to z-lab's): equal in
+float64 round after round (the position-indexed cache growing past its first capacity), current after its
+weights change, and in bf16 through bf16_linear's kernel close to the reference and lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import reference_greedy
+from test_diffusion_drafters import conditioned_for
+from diffspec import FixedPolicy, SpeculativeEngine
+from diffspec.drafters import conditioned_pass as CP
+from diffspec.target import Target
+
+
+def reference_logits(drafter, features: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """The block after `context` through the reference module pass, from the features of every position but the
+    last (what ConditionedDrafter.block_logits computed before the lean pass)."""
+    model, cfg = drafter.model, drafter.cfg
+    n = context.shape[0] - 1
+    with torch.inference_mode():
+        dtype = next(model.parameters()).dtype
+        kv = model.context_keys_values(features[:n].to(dtype), torch.arange(n))
+        block = torch.full((cfg.block_size,), cfg.mask_token_id)
+        block[0] = context[-1]
+        hidden = model(drafter._embed(block).to(dtype), torch.arange(n, n + cfg.block_size), kv)
+        return hidden[1:].to(drafter._head_weight.dtype) @ drafter._head_weight.T
+
+
+def test_lean_pass_equals_the_reference_pass_in_float64_as_the_cache_grows(target, monkeypatch):
+    monkeypatch.setattr(CP.ContextCache.__init__, "__defaults__", (8,))  # a first capacity of 8: it grows 4 times
+    drafter = conditioned_for(target, layers=2, block_size=5)
+    drafter.attach(target)
+    drafter.begin(None)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(120, drafter.model.fc.in_features, generator=g, dtype=torch.float64)
+    tokens = torch.randint(4, 50, (121,), generator=g)
+    n = 0
+    for step in (7, 1, 2, 1, 30, 3, 1, 60):  # what rounds feed: a prompt's features at once, then 1 + accepted
+        drafter.observe(features[n:n + step], n)
+        n += step
+        got = drafter.block_logits(tokens[: n + 1])
+        torch.testing.assert_close(got, reference_logits(drafter, features, tokens[: n + 1]), rtol=0, atol=1e-12)
+    assert drafter._cache.capacity >= n + drafter.cfg.block_size and drafter._cache.length == n
+
+
+def test_a_weight_changed_after_a_pass_is_read_by_the_next(target):
+    drafter = conditioned_for(target, layers=1, block_size=4)
+    drafter.attach(target)
+    features = torch.randn(10, drafter.model.fc.in_features, dtype=torch.float64)
+    tokens = torch.arange(5, 16)
+    layer = drafter.model.layers[0]
+
+    def draft():
+        drafter.begin(None)
+        drafter.observe(features[:10], 0)
+        return drafter.block_logits(tokens)
+
+    before = draft()
+    with torch.no_grad():
+        layer.mlp.gate_proj.weight.mul_(3)  # in place: the stacked gate/up copy would be stale
+    after_in_place = draft()
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight = torch.nn.Parameter(layer.self_attn.q_proj.weight * 0.5)  # a new tensor
+    after_replaced = draft()
+    assert not torch.allclose(before, after_in_place) and not torch.allclose(after_in_place, after_replaced)
+    torch.testing.assert_close(after_replaced, reference_logits(drafter, features, tokens), rtol=0, atol=1e-12)
+    layer.self_attn.q_proj.weight = torch.nn.Parameter(layer.self_attn.q_proj.weight * 2)
+    with torch.no_grad():
+        layer.mlp.gate_proj.weight.div_(3)
+    torch.testing.assert_close(draft(), before, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not CP.uses_kernel(torch.zeros(1, dtype=torch.bfloat16)), reason="bf16 kernel unavailable")
+def test_bf16_drafter_through_the_kernel_drafts_close_to_the_reference_and_stays_lossless(target, tiny_model):
+    drafter = conditioned_for(target, layers=2, block_size=5)
+    drafter.compute_dtype = "bfloat16"
+    drafter.attach(target)
+    weights = drafter._weights.current(drafter.model)
+    assert isinstance(weights.layers[0].qkv, CP.bf16_linear.Bf16Weight)
+    assert isinstance(drafter._head_matrix, CP.bf16_linear.Bf16Weight)
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(40, drafter.model.fc.in_features, generator=g)
+    tokens = torch.randint(4, 50, (41,), generator=g)
+    drafter.begin(None)
+    drafter.observe(features[:40], 0)
+    got = drafter.block_logits(tokens).float()
+    want = reference_logits(drafter, features, tokens).float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # bf16 roundings in another order
+    for prompt in ([5, 6, 7, 8, 9, 10], [30, 31, 30, 31]):
+        out = SpeculativeEngine(target, drafter, FixedPolicy(4)).generate(prompt, max_new_tokens=30, stop_token_ids=[])
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 30, stop_ids=())
+
+
+def test_a_cached_draft_cost_of_the_old_pass_is_not_reused(target, monkeypatch):
+    """The auto policy plans by cached draft costs (costs.drafter_calibration): a drafter whose pass changed
+    must be timed again, not planned by the old pass's costs, for the same weights."""
+    from diffspec import costs
+
+    drafter = conditioned_for(target)
+    drafter.attach(target)
+    key = costs.drafter_key(target, drafter)
+    assert drafter.cost_signature().startswith("lean pass")
+    monkeypatch.setattr(type(drafter), "cost_signature", lambda self: "")  # what the key was before the lean pass
+    assert costs.drafter_key(target, drafter) != key
