@@ -47,8 +47,9 @@ def diffspec_step(drafter, target, ids, feats):
     drafter.observe(feats[: n - 3], 0)
 
     def step():
-        drafter._kv = [(k[:, : n - 3], v[:, : n - 3]) for k, v in drafter._kv]  # back to the cached context
-        drafter._context_len = n - 3
+        drafter._flush()
+        drafter._cache.length = min(drafter._cache.length, n - 3)  # back to the cached context (position-indexed
+        drafter._context_len = n - 3                               # cache since 3b1549b; a list of tensors before)
         drafter.observe(feats[n - 3: n - 1], n - 3)
         torch.softmax(drafter.block_logits(ctx).float(), -1).max(-1)
 
