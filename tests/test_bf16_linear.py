@@ -75,3 +75,35 @@ def test_the_kernel_runs_inside_a_compiled_graph():
     x = bf16_values(3, 64, seed=6)
     compiled = torch.compile(lambda a: B.linear(a * 2, w) + 1, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), B.linear(x * 2, w) + 1)
+
+
+def test_a_bf16_block_drafter_runs_its_layers_through_the_kernel_and_stays_lossless(tiny_model, monkeypatch, tmp_path):
+    """The block-diffusion drafter in bf16 on a target with measured kernels routes its linear layers through
+    the kernel (the dtype trial included); a layer whose weight changed falls back to F.linear; greedy output
+    stays the target's."""
+    from conftest import reference_greedy
+    from test_diffusion_drafters import dllm
+    from diffspec import FixedPolicy, SpeculativeEngine, Target
+    from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    target = Target(tiny_model, kernels="auto")
+    vocab = tiny_model.config.vocab_size
+    drafter = BlockDiffusionDrafter(dllm(vocab), BlockDiffusionConfig(mask_token_id=vocab, block_size=4, sub_block_size=2))
+    drafter.compute_dtype = "bfloat16"
+    calls = []
+    real = B.run_kernel
+    monkeypatch.setattr(B, "run_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(3))
+    layer = drafter.model.model.layers[0].mlp.down_proj
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16 and "bf16_packed" in layer.__dict__
+    for prompt in ([5, 6, 7, 8, 9, 10], [30, 31, 30, 31]):
+        calls.clear()
+        out = engine.generate(prompt, max_new_tokens=20, stop_token_ids=[])
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 20, stop_ids=())
+        assert calls  # the drafter's passes ran the kernel
+    x = torch.randn(3, layer.in_features).bfloat16()
+    assert torch.equal(layer(x), B.linear(x, layer.bf16_packed[0]))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # the pack is stale now: F.linear on the new weight
+    torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, layer.weight).float())

@@ -116,3 +116,33 @@ def linear(x: torch.Tensor, w: Bf16Weight) -> torch.Tensor:
     if y.shape[1] != w.n:
         y = y[:, : w.n]
     return y.to(torch.bfloat16).reshape(*x.shape[:-1], w.n)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Route every bf16 `nn.Linear` of a CPU model through the kernel (a drafter's body computing in bf16; the
+    block-diffusion drafter). Each layer keeps its pack with the state of the weight it was made from
+    (packed_linear.weight_state); a layer whose weight has since changed (moved, cast, edited) runs F.linear.
+    Returns how many layers were routed; none where the kernel cannot run here."""
+    import types
+
+    from .packed_linear import weight_state
+
+    if available() is not None:
+        return 0
+    routed = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and (packed := pack(mod.weight)) is not None:
+            mod.bf16_packed = (packed, weight_state(mod.weight))
+            mod.forward = types.MethodType(_routed_forward, mod)
+            routed += 1
+    return routed
+
+
+def _routed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from .packed_linear import weight_state
+
+    packed, source = self.bf16_packed
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or source != weight_state(self.weight):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    y = linear(x, packed)
+    return y + self.bias if self.bias is not None else y

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from .. import bf16_linear
 from ..cache import check_rollback, common_prefix_length, full_cache, reserve_cache, truncate_cache
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
@@ -71,6 +72,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.config = config
         self.draft_token_ids = check_draft_token_ids(draft_token_ids, model, config.mask_token_id, name)
         self._kernels_for = None  # (model object, dtype) the measured matmul kernels were installed for
+        self._target_kernels = "stock"  # the target's --kernels, read at attach
         self._draft_head: Optional[tuple] = None  # (weight rows or the whole head, bias or None) in the model's dtype
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
@@ -84,6 +86,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
+        self._target_kernels = getattr(target, "kernels", "stock")  # _use_dtype routes a bf16 body by it
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
         # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
@@ -95,6 +98,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             from .. import kernels
 
             kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
+            if installed_for[1] == torch.bfloat16:  # the bf16 layers back to bf16_linear (see _use_dtype)
+                bf16_linear.install(self.model)
             self._kernels_for = installed_for
         self._settle_compile(target)
 
@@ -131,6 +136,10 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             for name, buf in rotary.items():
                 owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
                 setattr(self.model.get_submodule(owner), attr, buf)
+            if dtype == torch.bfloat16 and self.device.type == "cpu" and self._target_kernels != "stock":
+                # a bf16 body's matmuls through bf16_linear's kernel (~2x oneDNN's at 1-16 rows on an AVX-512
+                # EPYC); routed here, so the dtype trial times bf16 as it would run
+                bf16_linear.install(self.model)
         self._draft_head = None  # rebuilt in the new dtype
         self.begin(None)  # the cache is made in the model's dtype
 
