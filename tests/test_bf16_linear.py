@@ -87,6 +87,7 @@ def test_a_bf16_block_drafter_runs_its_layers_through_the_kernel_and_stays_lossl
     from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 
     monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    monkeypatch.setattr(B, "faster_here", lambda weights, rows: True)  # its timing: the test below
     target = Target(tiny_model, kernels="auto")
     vocab = tiny_model.config.vocab_size
     drafter = BlockDiffusionDrafter(dllm(vocab), BlockDiffusionConfig(mask_token_id=vocab, block_size=4, sub_block_size=2))
@@ -107,3 +108,24 @@ def test_a_bf16_block_drafter_runs_its_layers_through_the_kernel_and_stays_lossl
     with torch.no_grad():
         layer.weight.mul_(2)  # the pack is stale now: F.linear on the new weight
     torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, layer.weight).float())
+
+
+def test_the_kernel_is_taken_only_where_it_timed_faster_and_the_choice_is_cached(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    B._decided.clear()
+    weights = [bf16_values(64, 64, seed=7), bf16_values(32, 64, seed=8)]
+    fast = B.linear
+    monkeypatch.setattr(B, "linear", lambda x, p: (time.sleep(0.003), fast(x, p))[1])  # a kernel slower than torch
+    assert B.faster_here(weights, rows=4) is False
+    assert len(list(tmp_path.glob("bf16-linear-choice-*.json"))) == 1
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False)).bfloat16()
+    with torch.no_grad():
+        model[0].weight.copy_(weights[0])
+        model[1].weight.copy_(weights[1])
+    assert B.install(model, rows=4) == 0 and "forward" not in model[0].__dict__  # stays torch's
+    B._decided.clear()  # a new process: the choice is read back, not timed again (a fast kernel now changes nothing)
+    monkeypatch.setattr(B, "linear", fast)
+    assert B.faster_here(weights, rows=4) is False
+    assert B.faster_here(weights, rows=8) in (True, False) and len(list(tmp_path.glob("*.json"))) == 2  # per rows

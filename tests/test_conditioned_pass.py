@@ -74,7 +74,9 @@ def test_a_weight_changed_after_a_pass_is_read_by_the_next(target):
 
 
 @pytest.mark.skipif(not CP.uses_kernel(torch.zeros(1, dtype=torch.bfloat16)), reason="bf16 kernel unavailable")
-def test_bf16_drafter_through_the_kernel_drafts_close_to_the_reference_and_stays_lossless(target, tiny_model):
+def test_bf16_drafter_through_the_kernel_drafts_close_to_the_reference_and_stays_lossless(target, tiny_model,
+                                                                                         monkeypatch):
+    monkeypatch.setattr(CP.bf16_linear, "faster_here", lambda weights, rows: True)  # timed elsewhere (test_bf16_linear)
     drafter = conditioned_for(target, layers=2, block_size=5)
     drafter.compute_dtype = "bfloat16"
     drafter.attach(target)
@@ -105,3 +107,13 @@ def test_a_cached_draft_cost_of_the_old_pass_is_not_reused(target, monkeypatch):
     assert drafter.cost_signature().startswith("lean pass")
     monkeypatch.setattr(type(drafter), "cost_signature", lambda self: "")  # what the key was before the lean pass
     assert costs.drafter_key(target, drafter) != key
+
+
+def test_where_the_kernel_timed_slower_the_bf16_pass_keeps_torch_matmuls(target, monkeypatch):
+    monkeypatch.setattr(CP.bf16_linear, "faster_here", lambda weights, rows: False)
+    drafter = conditioned_for(target, layers=1, block_size=4)
+    drafter.compute_dtype = "bfloat16"
+    drafter.attach(target)
+    weights = drafter._weights.current(drafter.model)
+    assert isinstance(weights.layers[0].qkv, torch.Tensor) and isinstance(drafter._head_matrix, torch.Tensor)
+    assert drafter.cost_signature() == "lean pass 1 (torch matmuls)"

@@ -12,6 +12,10 @@ multiplies with AVX512-BF16's pair dot products where the CPU has them (float32 
 - `linear(x, packed)`: x [.., K] bf16 -> [.., N] bf16 (float32 sums, rounded once, as torch's bf16 matmul);
   through the kernel where it was built here, else `x @ W^T`.
 - `available()`: None where the kernel runs here, else why not.
+- `faster_here(weights, rows)`: whether the kernel beat torch's bf16 matmul over these weights at this many
+  rows on this machine (timed once per machine x shapes x rows, cached beside the cost tables). It won by
+  1.5-3x at 1-16 rows on an AVX-512 EPYC; where oneDNN has AMX tiles, or a future torch, it may not: measured,
+  not assumed. `install` and the conditioned drafter's pass use the kernel only where it did.
 
 A product of two bfloat16 values is exact in float32, so what the kernel changes against torch's bf16 matmul
 is only the order of the float32 sums (and the rounding of subnormals): drafts, never the output, which the
@@ -32,6 +36,9 @@ from .packed_linear import NATIVE, KernelUnavailable, compile_and_load
 
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 TILE = 16
+MARGIN = 0.9  # the kernel is taken where it timed at least 1/MARGIN faster than torch's matmul
+FORMAT = 1
+_decided: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,20 +125,86 @@ def linear(x: torch.Tensor, w: Bf16Weight) -> torch.Tensor:
     return y.to(torch.bfloat16).reshape(*x.shape[:-1], w.n)
 
 
-def install(model: torch.nn.Module) -> int:
+def _choice_path(shapes: list, rows: int):
+    import hashlib
+
+    from .machine_keys import cache_key, cost_dir, machine_key
+
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    key = cache_key("bf16-linear-choice", FORMAT, machine_key(torch.device("cpu")), shapes, rows, MARGIN, source,
+                    torch.__version__)
+    return cost_dir() / f"bf16-linear-choice-{key}.json"
+
+
+@torch.inference_mode()
+def faster_here(weights: list, rows: int, reps: int = 7) -> bool:
+    """Whether the kernel computes `rows` rows through `weights` (bf16 CPU matrices, in sequence, as a pass streams
+    them) at least 1/MARGIN faster than torch's F.linear on this machine. Timed interleaved (min over turns of each
+    turn's time) once per machine x shapes x rows, then read from the cost cache."""
+    import json
+    import time
+
+    from .output import try_write_cache
+
+    if available() is not None or not weights:
+        return False
+    shapes = sorted([list(w.shape) for w in weights])
+    memo = (tuple(map(tuple, shapes)), rows)
+    if memo in _decided:
+        return _decided[memo]
+    path = _choice_path(shapes, rows)
+    try:
+        record = json.loads(path.read_text())
+        if record.get("format") == FORMAT:
+            _decided[memo] = bool(record["kernel"])
+            return _decided[memo]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    packs = [pack(w) for w in weights]
+    if any(p is None for p in packs):
+        return False
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).bfloat16() for w in weights}
+
+    def by_torch():
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    def by_kernel():
+        for p in packs:
+            linear(xs[p.k], p)
+
+    best = {"torch": float("inf"), "kernel": float("inf")}
+    for _ in range(reps):
+        for name, run in (("torch", by_torch), ("kernel", by_kernel)):
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    kernel = best["kernel"] < MARGIN * best["torch"]
+    _decided[memo] = kernel
+    try_write_cache(path, json.dumps({"format": FORMAT, "kernel": kernel, "shapes": shapes, "rows": rows,
+                                      "torch_us": round(best["torch"] * 1e6, 1),
+                                      "kernel_us": round(best["kernel"] * 1e6, 1)}), "the bf16 kernel choice")
+    return kernel
+
+
+def install(model: torch.nn.Module, rows: int = 16) -> int:
     """Route every bf16 `nn.Linear` of a CPU model through the kernel (a drafter's body computing in bf16; the
-    block-diffusion drafter). Each layer keeps its pack with the state of the weight it was made from
-    (packed_linear.weight_state); a layer whose weight has since changed (moved, cast, edited) runs F.linear.
-    Returns how many layers were routed; none where the kernel cannot run here."""
+    block-diffusion drafter), where it measured faster here at `rows` rows (`faster_here`). Each layer keeps its
+    pack with the state of the weight it was made from (packed_linear.weight_state); a layer whose weight has
+    since changed (moved, cast, edited) runs F.linear. Returns how many layers were routed."""
     import types
 
     from .packed_linear import weight_state
 
     if available() is not None:
         return 0
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16
+              and m.weight.device.type == "cpu"]
+    if not faster_here([m.weight for m in layers], rows):
+        return 0
     routed = 0
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Linear) and (packed := pack(mod.weight)) is not None:
+    for mod in layers:
+        if (packed := pack(mod.weight)) is not None:
             mod.bf16_packed = (packed, weight_state(mod.weight))
             mod.forward = types.MethodType(_routed_forward, mod)
             routed += 1

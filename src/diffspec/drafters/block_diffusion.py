@@ -99,7 +99,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
             kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
             if installed_for[1] == torch.bfloat16:  # the bf16 layers back to bf16_linear (see _use_dtype)
-                bf16_linear.install(self.model)
+                bf16_linear.install(self.model, rows=self.config.block_size)
             self._kernels_for = installed_for
         self._settle_compile(target)
 
@@ -139,7 +139,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             if dtype == torch.bfloat16 and self.device.type == "cpu" and self._target_kernels != "stock":
                 # a bf16 body's matmuls through bf16_linear's kernel (~2x oneDNN's at 1-16 rows on an AVX-512
                 # EPYC); routed here, so the dtype trial times bf16 as it would run
-                bf16_linear.install(self.model)
+                bf16_linear.install(self.model, rows=self.config.block_size)
         self._draft_head = None  # rebuilt in the new dtype
         self.begin(None)  # the cache is made in the model's dtype
 

@@ -282,7 +282,10 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
     def _set_head(self, head: torch.Tensor) -> None:
         self._head_weight = head
-        self._head_matrix = as_matrix(head, uses_kernel(head))  # bf16_linear's tiles where its kernel serves
+        # bf16_linear's tiles where its kernel serves here and measured faster at a block's rows
+        from .. import bf16_linear
+
+        self._head_matrix = as_matrix(head, uses_kernel(head) and bf16_linear.faster_here([head], self.cfg.block_size - 1))
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
         """Median milliseconds of one steady-state draft after a context of `context_len` positions: the
@@ -387,8 +390,8 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def cost_signature(self) -> str:
         from .. import bf16_linear
 
-        kernel = bf16_linear.isa() if uses_kernel(self._head_weight if self._head_weight is not None
-                                                  else next(self.model.parameters())) else "torch matmuls"
+        weights = self._weights.current(self.model)
+        kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
         return f"lean pass 1 ({kernel})"  # the reference module pass before (52bd839): ~2x the time a round
 
     def describe(self) -> str:

@@ -111,39 +111,53 @@ class ServingWeights:
 
     def __init__(self):
         self._key = None
+        self._slots: list = []  # (module, parameter name) of every parameter, found once per model
+        self._model = None
         self.weights: "PassWeights | None" = None
 
-    @staticmethod
-    def _key_of(model: nn.Module) -> tuple:
-        return tuple((id(p), p._version, p.dtype, p.device) for p in model.parameters())
+    def _key_of(self, model: nn.Module) -> tuple:
+        """Each parameter's identity, version, dtype and device (a walk of the module tree, done once per model,
+        cost ~45 us a call; the lookups ~10)."""
+        if self._model is not model:
+            self._slots = [(mod, name) for mod in model.modules() for name in mod._parameters]
+            self._model = model
+        params = [mod._parameters[name] for mod, name in self._slots]
+        return tuple((id(p), p._version, p.dtype, p.device) for p in params if p is not None)
 
     def current(self, model: nn.Module) -> PassWeights:
         key = self._key_of(model)
         if key != self._key:
-            param = next(model.parameters())
-            use_kernel = uses_kernel(param)
             with torch.no_grad():
-                self.weights = PassWeights(tuple(self._stack(layer, use_kernel) for layer in model.layers),
-                                           as_matrix(model.fc.weight, use_kernel))
+                stacked = [self._stack(layer) for layer in model.layers]
+                matrices = [w for layer in stacked for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+                # bf16_linear's kernel where this model's weights are bf16 on a CPU and it measured faster here
+                use_kernel = uses_kernel(model.fc.weight) and \
+                    bf16_linear.faster_here(matrices, rows=model.cfg.block_size)
+                self.weights = PassWeights(
+                    tuple(LayerWeights(**{name: as_matrix(w, use_kernel) if name in MATRICES else w
+                                          for name, w in layer.items()}) for layer in stacked),
+                    as_matrix(model.fc.weight, use_kernel))
             self._key = key
         return self.weights
 
     @staticmethod
-    def _stack(layer, use_kernel: bool) -> LayerWeights:
+    def _stack(layer) -> dict:
         a, m = layer.self_attn, layer.mlp
-        kv = torch.cat([a.k_proj.weight, a.v_proj.weight])
-        return LayerWeights(input_norm=layer.input_layernorm.weight.detach(),
-                            qkv=as_matrix(torch.cat([a.q_proj.weight, kv]), use_kernel), kv=as_matrix(kv, use_kernel),
-                            k_norm=a.k_norm.weight.detach(),
-                            qk_norm=torch.cat([a.q_norm.weight.expand(a.cfg.num_attention_heads, -1),
-                                               a.k_norm.weight.expand(a.cfg.num_key_value_heads, -1)]).detach(),
-                            o=as_matrix(a.o_proj.weight, use_kernel), post_norm=layer.post_attention_layernorm.weight.detach(),
-                            gate_up=as_matrix(torch.cat([m.gate_proj.weight, m.up_proj.weight]), use_kernel),
-                            down=as_matrix(m.down_proj.weight, use_kernel))
+        kv = torch.cat([a.k_proj.weight, a.v_proj.weight]).detach()
+        return dict(input_norm=layer.input_layernorm.weight.detach(), qkv=torch.cat([a.q_proj.weight.detach(), kv]),
+                    kv=kv, k_norm=a.k_norm.weight.detach(),
+                    qk_norm=torch.cat([a.q_norm.weight.expand(a.cfg.num_attention_heads, -1),
+                                       a.k_norm.weight.expand(a.cfg.num_key_value_heads, -1)]).detach(),
+                    o=a.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
+
+
+MATRICES = ("qkv", "kv", "o", "gate_up", "down")  # the LayerWeights fields a matmul reads
 
 
 def uses_kernel(weight: torch.Tensor) -> bool:
-    """Whether a weight like this one is multiplied by bf16_linear's kernel: bf16 on a CPU where it builds."""
+    """Whether a weight like this one may be multiplied by bf16_linear's kernel: bf16 on a CPU where it builds
+    (whether it is, bf16_linear.faster_here decides by timing)."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_linear.available() is None
 
 
