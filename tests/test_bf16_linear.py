@@ -129,3 +129,24 @@ def test_the_kernel_is_taken_only_where_it_timed_faster_and_the_choice_is_cached
     monkeypatch.setattr(B, "linear", fast)
     assert B.faster_here(weights, rows=4) is False
     assert B.faster_here(weights, rows=8) in (True, False) and len(list(tmp_path.glob("*.json"))) == 2  # per rows
+
+
+def test_rows_the_kernel_cannot_take_are_refused_by_name():
+    packed = B.pack(bf16_values(16, 32, seed=9))
+    for x in (torch.randn(2, 32), bf16_values(2, 30, seed=10)):  # float32 rows; rows of another width
+        with pytest.raises(ValueError, match="bf16 CPU rows of 32"):
+            B.linear(x, packed)
+
+
+def test_routed_layers_compile_in_one_graph_and_add_the_bias_before_rounding(monkeypatch):
+    monkeypatch.setattr(B, "faster_here", lambda weights, rows: True)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), torch.nn.Linear(48, 16)).bfloat16()
+    assert B.install(model) == 2
+    x = bf16_values(3, 32, seed=11)
+    eager = model(x)
+    w, b = model[0].weight, model[0].bias
+    assert torch.equal(model[0](x), (documented_sums(x, w) + b.float()).bfloat16())  # one rounding
+    with torch.inference_mode():  # as drafters run their passes
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        assert torch.equal(torch.compile(model, backend="aot_eager")(x), eager)

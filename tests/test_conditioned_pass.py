@@ -11,6 +11,7 @@ import torch
 from conftest import reference_greedy
 from test_diffusion_drafters import conditioned_for
 from diffspec import FixedPolicy, SpeculativeEngine
+from diffspec.drafters import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from diffspec.drafters import conditioned_pass as CP
 from diffspec.target import Target
 
@@ -77,7 +78,19 @@ def test_a_weight_changed_after_a_pass_is_read_by_the_next(target):
 def test_bf16_drafter_through_the_kernel_drafts_close_to_the_reference_and_stays_lossless(target, tiny_model,
                                                                                          monkeypatch):
     monkeypatch.setattr(CP.bf16_linear, "faster_here", lambda weights, rows: True)  # timed elsewhere (test_bf16_linear)
-    drafter = conditioned_for(target, layers=2, block_size=5)
+    whole = conditioned_for(target, layers=1, block_size=5)
+    whole.compute_dtype = "bfloat16"
+    whole.attach(target)  # a whole-vocabulary head stays torch's (packing it would copy the embeddings again)
+    assert isinstance(whole._weights.current(whole.model).fc, CP.bf16_linear.Bf16Weight)
+    assert isinstance(whole._head_matrix, torch.Tensor)
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, num_hidden_layers=2, block_size=5,
+                                           num_features=2, draft_vocab=40)
+        model = ConditionedDraftModel(cfg).double()
+        for p in model.parameters():
+            p.data.normal_(0, 0.3) if p.dim() > 1 else None
+    drafter = ConditionedDrafter(model)
     drafter.compute_dtype = "bfloat16"
     drafter.attach(target)
     weights = drafter._weights.current(drafter.model)
@@ -117,3 +130,29 @@ def test_where_the_kernel_timed_slower_the_bf16_pass_keeps_torch_matmuls(target,
     weights = drafter._weights.current(drafter.model)
     assert isinstance(weights.layers[0].qkv, torch.Tensor) and isinstance(drafter._head_matrix, torch.Tensor)
     assert drafter.cost_signature() == "lean pass 1 (torch matmuls)"
+
+
+def test_the_cache_buffers_are_inference_tensors_when_made_and_when_grown():
+    """A compiled pass guards on the kind of tensor: buffers made outside inference mode (begin at attach) and
+    grown inside it (a long request) would differ, and the graph would compile again mid-request."""
+    cache = CP.ContextCache(1, 2, 4, torch.float32, "cpu", capacity=4)
+    assert cache.keys[0].is_inference() and cache.values[0].is_inference()
+    with torch.inference_mode():  # as the drafter writes it (observe/block_logits run in inference mode)
+        cache.keys[0][:, :3] = 1.0
+    cache.length = 3
+    cache.reserve(20)
+    assert cache.capacity >= 20 and cache.keys[0].is_inference() and cache.values[0].is_inference()
+    assert torch.equal(cache.keys[0][:, :3], torch.ones(2, 3, 4))
+
+
+def test_features_out_of_step_with_the_cache_are_refused(target):
+    drafter = conditioned_for(target, layers=1, block_size=4)
+    drafter.attach(target)
+    features = torch.randn(10, drafter.model.fc.in_features, dtype=torch.float64)
+    drafter.begin(None)
+    drafter.observe(features[:6], 0)
+    drafter.block_logits(torch.arange(5, 12))
+    drafter._cache.length = 4  # a hand-made rollback that skipped positions 4-5
+    drafter.observe(features[6:8], 6)
+    with pytest.raises(RuntimeError, match="from position 6, its cache holds 4"):
+        drafter.block_logits(torch.arange(5, 14))

@@ -9,8 +9,8 @@ multiplies with AVX512-BF16's pair dot products where the CPU has them (float32 
 
 - `pack(weight)`: a bf16 [N, K] weight (K even) as the kernel's tiles (N padded to a multiple of 16 with zero
   rows); `Bf16Weight.source` records what it was packed from.
-- `linear(x, packed)`: x [.., K] bf16 -> [.., N] bf16 (float32 sums, rounded once, as torch's bf16 matmul);
-  through the kernel where it was built here, else `x @ W^T`.
+- `linear(x, packed, bias=None)`: x [.., K] bf16 -> [.., N] bf16 (float32 sums, rounded once, as torch's bf16
+  matmul) through the kernel; callers pack only where `available()` (and `faster_here`) said so.
 - `available()`: None where the kernel runs here, else why not.
 - `faster_here(weights, rows)`: whether the kernel beat torch's bf16 matmul over these weights at this many
   rows on this machine (timed once per machine x shapes x rows, cached beside the cost tables). It won by
@@ -88,11 +88,19 @@ def pack(weight: torch.Tensor) -> Optional[Bf16Weight]:
     return Bf16Weight(tiles, n, k)
 
 
+def _check_rows(x: torch.Tensor, w: Bf16Weight) -> None:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != w.k \
+            or w.tiles.dtype != torch.bfloat16 or w.tiles.device.type != "cpu":
+        raise ValueError(f"bf16_linear takes bf16 CPU rows of {w.k} and a bf16 CPU pack, got {x.dtype} rows of "
+                         f"{x.shape[-1]} on {x.device.type}")
+
+
 def run_kernel(x: torch.Tensor, w: Bf16Weight, lib=None) -> torch.Tensor:
-    """x [R, K] bf16 -> float32 [R, padded N] through the C kernel."""
+    """x [R, K] bf16 on the CPU -> float32 [R, padded N] through the C kernel."""
     lib = lib or build_library()
     if isinstance(lib, KernelUnavailable):
         raise lib
+    _check_rows(x, w)
     if not x.is_contiguous():
         x = x.contiguous()
     rows, padded = x.numel() // w.k, w.tiles.shape[0] * TILE
@@ -103,26 +111,33 @@ def run_kernel(x: torch.Tensor, w: Bf16Weight, lib=None) -> torch.Tensor:
 
 
 @torch.library.custom_op("diffspec::bf16_linear", mutates_args=())
-def _bf16_linear(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+def _bf16_linear(x: torch.Tensor, tiles: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The kernel as an operator torch.compile can trace a graph around."""
-    k = x.shape[-1]
-    y = run_kernel(x.reshape(-1, k), Bf16Weight(tiles, n, k))
-    return y[:, :n].to(torch.bfloat16).reshape(*x.shape[:-1], n)
+    return _eager_linear(x, Bf16Weight(tiles, n, tiles.shape[1] * 2), bias)
 
 
 @_bf16_linear.register_fake
-def _(x, tiles, n):
-    return x.new_empty(*x.shape[:-1], n)
+def _(x, tiles, n, bias):
+    torch._check(x.shape[-1] == tiles.shape[1] * 2)
+    return x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16)
 
 
-def linear(x: torch.Tensor, w: Bf16Weight) -> torch.Tensor:
-    """x [.., K] bf16 @ W^T -> [.., N] bf16."""
-    if torch.compiler.is_compiling():
-        return _bf16_linear(x, w.tiles, w.n)
+def _eager_linear(x: torch.Tensor, w: Bf16Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    _check_rows(x, w)
     y = run_kernel(x.reshape(-1, w.k), w)
     if y.shape[1] != w.n:
         y = y[:, : w.n]
+    if bias is not None:  # added to the float32 sums: one rounding, as torch's bf16 linear
+        y = y + bias.float()
     return y.to(torch.bfloat16).reshape(*x.shape[:-1], w.n)
+
+
+def linear(x: torch.Tensor, w: Bf16Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [.., K] bf16 on the CPU @ W^T (+ bias) -> [.., N] bf16 (float32 sums, rounded once), through the kernel;
+    raises where it is not built (`available()` says why) or x is not bf16 CPU rows of K."""
+    if torch.compiler.is_compiling():
+        return _bf16_linear(x, w.tiles, w.n, bias)
+    return _eager_linear(x, w, bias)
 
 
 def _choice_path(shapes: list, rows: int):
@@ -198,8 +213,11 @@ def install(model: torch.nn.Module, rows: int = 16) -> int:
 
     if available() is not None:
         return 0
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16
-              and m.weight.device.type == "cpu"]
+              and m.weight.device.type == "cpu" and m is not head]  # the body's (a vocabulary-wide head: a copy
+    #                                                               as large as the embeddings, for a head a drafter
+    #                                                               with a draft vocabulary never calls)
     if not faster_here([m.weight for m in layers], rows):
         return 0
     routed = 0
@@ -215,7 +233,10 @@ def _routed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     from .packed_linear import weight_state
 
     packed, source = self.bf16_packed
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or source != weight_state(self.weight):
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = linear(x, packed)
-    return y + self.bias if self.bias is not None else y
+    # a compiled graph is valid for one model and dtype (compile_choice._valid); the storage check (data_ptr, which
+    # dynamo cannot trace: a graph break at every layer) runs in eager passes
+    if not torch.compiler.is_compiling() and source != weight_state(self.weight):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    return linear(x, packed, self.bias)

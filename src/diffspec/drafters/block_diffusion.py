@@ -104,6 +104,10 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
+    def cost_signature(self) -> str:
+        routed = any("bf16_packed" in m.__dict__ for m in self.model.modules())
+        return "bf16 kernel 1" if routed else ""  # its draft costs changed with the routing (ab7d108)
+
     def _compile_module(self) -> torch.nn.Module:
         return self.model.get_decoder()
 

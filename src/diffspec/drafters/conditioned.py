@@ -282,10 +282,12 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
     def _set_head(self, head: torch.Tensor) -> None:
         self._head_weight = head
-        # bf16_linear's tiles where its kernel serves here and measured faster at a block's rows
+        # bf16_linear's tiles where its kernel serves here and measured faster at a block's rows; for a draft
+        # vocabulary's rows only (a copy already): the whole vocabulary's head would be another copy of it
         from .. import bf16_linear
 
-        self._head_matrix = as_matrix(head, uses_kernel(head) and bf16_linear.faster_here([head], self.cfg.block_size - 1))
+        self._head_matrix = as_matrix(head, bool(self.cfg.draft_vocab) and uses_kernel(head)
+                                      and bf16_linear.faster_here([head], self.cfg.block_size - 1))
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
         """Median milliseconds of one steady-state draft after a context of `context_len` positions: the
@@ -330,11 +332,14 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._context_len += hidden.shape[0]
 
     @torch.inference_mode()
-    def _flush(self) -> None:
+    def _flush(self, weights=None) -> None:
         if not self._pending:
             return
         dtype = next(self.model.parameters()).dtype
         start = self._pending[0][1]
+        if start != self._cache.length:  # positions the cache does not hold would be read as context
+            raise RuntimeError(f"conditioned drafter: features from position {start}, its cache holds "
+                               f"{self._cache.length}")
         hidden = torch.cat([h for h, _ in self._pending]) if len(self._pending) > 1 else self._pending[0][0]
         self._pending = []
         hidden = hidden.to(dtype)
@@ -345,7 +350,8 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._cache.reserve(start + m + self.cfg.block_size)  # and room for the block's scratch keys/values
         cos, sin = self._rope.rows(start, m, dtype, hidden.device)
         positions = torch.arange(start, start + m, device=hidden.device)
-        (compiled or self._context_part)(self._weights.current(self.model), self._cache, hidden, positions, cos, sin)
+        weights = weights or self._weights.current(self.model)
+        (compiled or self._context_part)(weights, self._cache, hidden, positions, cos, sin)
         self._cache.length = start + m
 
     @torch.inference_mode()
@@ -358,7 +364,8 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if self._context_len != anchor:
             raise RuntimeError(f"conditioned drafter has features for {self._context_len} positions, "
                                f"context needs {anchor}: was the engine told to pass hidden states?")
-        self._flush()
+        weights = self._weights.current(self.model)  # checked once a round
+        self._flush(weights)
         dtype = next(self.model.parameters()).dtype
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = context[-1]
@@ -366,7 +373,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         cos, sin = self._rope.rows(anchor, cfg.block_size, dtype, context.device)
         # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
         body = self._compiled_body(self._cache.length > 1) or self._compile_module()
-        hidden = body(self._weights.current(self.model), self._cache, self._embed(block).to(dtype), cos, sin)
+        hidden = body(weights, self._cache, self._embed(block).to(dtype), cos, sin)
         return matmul(hidden[1:].to(self._head_weight.dtype), self._head_matrix)
 
     @torch.inference_mode()

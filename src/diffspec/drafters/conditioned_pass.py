@@ -41,6 +41,7 @@ class ContextCache:
     """Keys/values [kv_heads, capacity, head_dim] per layer for positions 0..length-1, position-indexed.
     Positions past `length` are scratch (the block's own keys and values during a pass)."""
 
+    @torch.inference_mode()  # buffers made here and in reserve() alike: a compiled graph guards on the kind
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
         self.shape = (kv_heads, head_dim)
         self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
@@ -55,6 +56,7 @@ class ContextCache:
     def dtype(self) -> torch.dtype:
         return self.keys[0].dtype
 
+    @torch.inference_mode()
     def reserve(self, positions: int) -> None:
         """Room for `positions` positions (doubling: a request's growth copies O(length) in all)."""
         if positions <= self.capacity:
@@ -111,18 +113,14 @@ class ServingWeights:
 
     def __init__(self):
         self._key = None
-        self._slots: list = []  # (module, parameter name) of every parameter, found once per model
-        self._model = None
         self.weights: "PassWeights | None" = None
 
-    def _key_of(self, model: nn.Module) -> tuple:
-        """Each parameter's identity, version, dtype and device (a walk of the module tree, done once per model,
-        cost ~45 us a call; the lookups ~10)."""
-        if self._model is not model:
-            self._slots = [(mod, name) for mod in model.modules() for name in mod._parameters]
-            self._model = model
-        params = [mod._parameters[name] for mod, name in self._slots]
-        return tuple((id(p), p._version, p.dtype, p.device) for p in params if p is not None)
+    @staticmethod
+    def _key_of(model: nn.Module) -> tuple:
+        """Each parameter's identity, storage, version, dtype and device (~45 us a call, once a round). An edit
+        through `p.data` in place (`p.data.mul_()`) changes none of them: it is not seen; assigning `p.data = t`,
+        a new Parameter, an in-place op on the Parameter, a replaced module or a dtype change are."""
+        return tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
     def current(self, model: nn.Module) -> PassWeights:
         key = self._key_of(model)
@@ -210,10 +208,11 @@ def context_into_cache(model: nn.Module, weights: PassWeights, cache: ContextCac
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v with no mask, the softmax in float32 (float64 for float64): two bmm calls ran
-    1.3-1.6x faster than CPU SDPA at a block's 24 rows over 100-1000 keys (bf16 and float32)."""
+    """softmax(q k^T * scale) v with no mask, scores and softmax in float32 (float64 for float64): two bmm calls
+    ran 1.5-1.6x faster than CPU SDPA at a block's 24 rows over 100-1000 keys in bf16, as accurate (max error
+    against float64 0.0014 vs SDPA's 0.0010 at 300 keys; bf16 scores: 0.0025)."""
     sums = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.bmm(q, keys.transpose(1, 2)).to(sums) * scale
+    scores = torch.bmm(q.to(sums), keys.transpose(1, 2).to(sums)) * scale  # bf16 scores would round each q.k
     return torch.bmm(torch.softmax(scores, -1).to(q.dtype), values)
 
 
@@ -251,6 +250,6 @@ class ServingPass(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, weights: list, cache: ContextCache, x: torch.Tensor, cos: torch.Tensor,
+    def forward(self, weights: PassWeights, cache: ContextCache, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         return block_hidden(self.model, weights, cache, x, cos, sin)
