@@ -112,12 +112,23 @@ def diffusion_drafter(kind, target):
                                            ("conditioned", "temperature"), ("conditioned", "top_p"),
                                            ("conditioned-bf16", "temperature"), ("block-bf16", "temperature"),
                                            ("block-draft-vocab", "temperature")])
-def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting):
+def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting, monkeypatch):
+    from diffspec import bf16_linear
+    from diffspec.drafters import conditioned_pass
+
     model, _ = small_vocab_models
     target = Target(model)
+    if kind.endswith("-bf16") and bf16_linear.available() is None:  # through bf16_linear's kernel, not by timing
+        monkeypatch.setattr(bf16_linear, "faster_here", lambda weights, rows: True)
     engine = SpeculativeEngine(target, diffusion_drafter(kind, target), FixedPolicy(3))
     if kind.endswith("-bf16"):  # the drafter really computes in bf16 (the target stays as loaded)
         assert next(engine.drafter.model.parameters()).dtype == torch.bfloat16
+        if bf16_linear.available() is None:  # and its matmuls run the kernel
+            if kind == "block-bf16":  # (routed on a target with measured kernels; this one keeps torch's)
+                assert bf16_linear.install(engine.drafter.model, rows=4) > 0
+            else:
+                weights = engine.drafter._weights.current(engine.drafter.model)
+                assert isinstance(weights.layers[0].qkv, conditioned_pass.bf16_linear.Bf16Weight)
     params = SETTINGS[setting]
     assert chi_square_pvalue(sample_counts(engine, params, SAMPLES), exact_joint(model, params)) > 1e-3
 
