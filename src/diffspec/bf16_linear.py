@@ -222,8 +222,13 @@ def install(model: torch.nn.Module, rows: int = 16) -> int:
         return 0
     routed = 0
     for mod in layers:
-        if (packed := pack(mod.weight)) is not None:
-            mod.bf16_packed = (packed, weight_state(mod.weight))
+        # a layer routed before keeps its pack while its weight is unchanged (the block drafter routes again after
+        # kernels.install has replaced the forwards: no second copy of the weights)
+        state = weight_state(mod.weight)
+        previous = mod.__dict__.get("bf16_packed")
+        packed = previous[0] if previous is not None and previous[1] == state else pack(mod.weight)
+        if packed is not None:
+            mod.bf16_packed = (packed, state)
             mod.forward = types.MethodType(_routed_forward, mod)
             routed += 1
     return routed

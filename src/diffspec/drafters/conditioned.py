@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import bf16_linear
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
@@ -284,8 +285,6 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._head_weight = head
         # bf16_linear's tiles where its kernel serves here and measured faster at a block's rows; for a draft
         # vocabulary's rows only (a copy already): the whole vocabulary's head would be another copy of it
-        from .. import bf16_linear
-
         self._head_matrix = as_matrix(head, bool(self.cfg.draft_vocab) and uses_kernel(head)
                                       and bf16_linear.faster_here([head], self.cfg.block_size - 1))
 
@@ -395,8 +394,6 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         return builder.build(1, context.device)
 
     def cost_signature(self) -> str:
-        from .. import bf16_linear
-
         weights = self._weights.current(self.model)
         kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
         return f"lean pass 1 ({kernel})"  # the reference module pass before (52bd839): ~2x the time a round

@@ -68,9 +68,6 @@ class ContextCache:
                 new[:, : self.length] = old[:, : self.length]
                 tensors[i] = new
 
-    def views(self) -> list:
-        """Per layer (keys, values) of the positions written, [kv_heads, length, head_dim] (views)."""
-        return [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.keys, self.values)]
 
 
 @dataclass(frozen=True)
