@@ -84,7 +84,7 @@ def test_with_packed_kernels_one_call_runs_q_k_v_one_gate_up_bitwise(monkeypatch
     attention.install(model)
     calls, original = [], P._run_kernel
     monkeypatch.setattr(LP, "_run_kernel", lambda x, codes, *a: calls.append(codes.shape[0]) or original(x, codes, *a))
-    direct = LP.LlamaPass(model, plan)
+    direct = LP.LlamaPass(model, plan, fused=False)  # the torch operations (fused_layers.py: tested on its own)
     direct.forward(torch.tensor([[5, 6, 7]]), new_cache(model.config))
     layers = model.config.num_hidden_layers
     q, kv, ff = 64, model.config.num_key_value_heads * 16, model.config.intermediate_size
@@ -108,7 +108,7 @@ def test_layers_packed_for_some_widths_or_in_other_kinds_fall_back_bitwise():
     plan = K.LinearPlan(packed_rows={(64, 64): frozenset({1, 2, 16}), (32, 64): frozenset({1}),
                                      (128, 64): frozenset(K.ROW_BUCKETS), (96, 64): frozenset({1, 2})})
     K.install(model, plan)
-    direct = LP.LlamaPass(model, plan)
+    direct = LP.LlamaPass(model, plan, fused=False)
     assert_transformers_bitwise(model, direct, 96)
     stacked = model.model.layers[1].mlp  # gate/up share one buffer of codes, each layer views of its rows
     gate, up = stacked.gate_proj.packed_weight, stacked.up_proj.packed_weight

@@ -45,7 +45,7 @@ def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(gguf_blocks(kind, n, k, seed), qtype).reshape(n, k).astype(np.float32))
 
 
-def coded_model(vocab: int = 96, seed: int = 3) -> torch.nn.Module:
+def coded_model(vocab: int = 96, seed: int = 3, scale: float = 30.0, head_scale: float = 10.0) -> torch.nn.Module:
     """A tiny float32 Llama whose linear layers are Q4_1 codes and whose head is Q8_0 codes (as the default target)."""
     model = make_model(vocab, seed=seed, hidden=64, dtype=torch.float32)
     with torch.no_grad():
@@ -53,7 +53,7 @@ def coded_model(vocab: int = 96, seed: int = 3) -> torch.nn.Module:
             if isinstance(mod, torch.nn.Linear):
                 n, k = mod.weight.shape
                 w = gguf_weight("q8_0" if name == "lm_head" else "q4_1", n, k, seed=seed * 100 + i)
-                mod.weight.copy_(w * (30.0 if name != "lm_head" else 10.0))  # scaled codes are codes too
+                mod.weight.copy_(w * (scale if name != "lm_head" else head_scale))  # scaled codes are codes too
     return model
 
 

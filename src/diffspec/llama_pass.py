@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from .attention import GQA_SDPA
 from .cache import PositionalLayer
 from .kernels import ROW_BUCKETS
+from .fused_layers import FusedLayers
 from .packed_linear import PackedWeight, _run_kernel, current_pack
 
 
@@ -191,7 +192,7 @@ class _Layer:
 class LlamaPass:
     """`forward` for one model (its layers' parts and layer groups found once)."""
 
-    def __init__(self, model: torch.nn.Module, plan=None):
+    def __init__(self, model: torch.nn.Module, plan=None, fused: bool = True):
         self.model = model
         plan = plan if plan is not None and any(plan.packed_rows.values()) else None
         cfg = model.config
@@ -205,6 +206,12 @@ class LlamaPass:
                               _SameInput([l.mlp.gate_proj, l.mlp.up_proj], plan), _SameInput([l.mlp.down_proj], plan),
                               l.mlp.gate_proj.weight.shape[0])
                        for l in inner.layers]
+        # every layer of a pass in one C call where all run packed (fused_layers.py: rows invariant, not bitwise
+        # transformers' own)
+        self.fused = FusedLayers(self.layers, self.heads, self.kv_heads, self.head_dim, cfg.hidden_size) \
+            if fused and plan is not None else None
+        if self.fused is not None and not self.fused.fits:
+            self.fused = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values, use_cache: bool = True,
@@ -217,6 +224,12 @@ class LlamaPass:
         h = F.embedding(input_ids, self.embed.weight, self.embed.padding_idx)
         position_ids = torch.arange(start, start + n).unsqueeze(0)
         cos, sin = self.rotary(h, position_ids=position_ids)
+        fused = self.fused.run(h[0], cos[0], sin[0], cache.layers, start, output_hidden_states) \
+            if self.fused is not None else None
+        if fused is not None:
+            last, outputs = fused
+            hidden = [h, *(outputs[i].unsqueeze(0) for i in range(outputs.shape[0]))] if outputs is not None else None
+            return self._head(last.unsqueeze(0), hidden, logits_to_keep)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if n == 1:
             mask, causal = None, False
@@ -254,6 +267,10 @@ class LlamaPass:
             h = h + layer.down_proj.one(F.silu(gate) * up, n)
             if hidden is not None:
                 hidden.append(h)
+        return self._head(h, hidden, logits_to_keep)
+
+    def _head(self, h: torch.Tensor, hidden: Optional[list], logits_to_keep):
+        """The final norm and the output head over the rows kept."""
         h = _rms_norm(h, self.norm)
         if hidden is not None:
             hidden[-1] = h

@@ -184,17 +184,17 @@ def build_library(isa_flags: tuple):
     return lib
 
 
-def compile_and_load(source_file: Path, name: str, isa_flags: tuple):
+def compile_and_load(source_file: Path, name: str, isa_flags: tuple, includes: tuple = ()):
     """A C file of ours compiled with FLAGS + `isa_flags` by the system's compiler, once per machine (cached under
-    $DIFFSPEC_CACHE/kernels, keyed by the source, compiler, flags and CPU flags), and loaded; or a
-    KernelUnavailable that says why not."""
+    $DIFFSPEC_CACHE/kernels, keyed by the source and the files it `includes` (beside it), compiler, flags and CPU
+    flags), and loaded; or a KernelUnavailable that says why not."""
     from .machine_keys import cache_key, machine_key
     from .models import cache_root
 
     cc = _compiler()
     if cc is None:
         return KernelUnavailable("no C compiler found (set $CC)")
-    source = source_file.read_bytes()
+    source = b"".join(f.read_bytes() for f in (source_file, *includes))
     flags = (*FLAGS, *isa_flags)
     key = cache_key(name, hashlib.sha256(source).hexdigest(), cc, flags, machine_key("cpu")["cpu_flags"])
     where = cache_root() / "kernels" / f"{name.replace('-', '_')}-{key}.so"

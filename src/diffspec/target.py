@@ -451,12 +451,19 @@ class Target(TargetBase):
         """How the passes run: the matmul kernels (kernels.py) and what is compiled (compiled.py)."""
         return {"kernels": self.kernels, "linear_plan": self.linear_plan.describe(),
                 "attention": self.model.config._attn_implementation, "compile": self.compiled.to_json(),
-                "forward": "direct (llama_pass.py)" if self.direct_pass is not None else "transformers",
+                "forward": self._forward_text(),
                 "greedy_head": (f"screened (bf16 product, exact rescoring) for rows "
                                 f"{','.join(map(str, sorted(self.linear_plan.head_rows)))}" if self.greedy_head
                                 else f"fp32 logits ({self.greedy_head_note})"),
                 "cache": (f"fixed capacity ({fixed_cache_capacity(self._cache)} positions)" if self.fixed_cache
                           else "position-indexed")}
+
+    def _forward_text(self) -> str:
+        if self.direct_pass is None:
+            return "transformers"
+        if self.direct_pass.fused is None:
+            return "direct (llama_pass.py)"
+        return f"direct (llama_pass.py), layers fused where packed (fused_layers.c, {self.direct_pass.fused.isa})"
 
     @property
     def base_fingerprint(self) -> str:
@@ -472,6 +479,9 @@ class Target(TargetBase):
                                               self.linear_plan.to_json()["packed_rows"])
             if self.direct_pass is not None:  # the same outputs, other costs
                 self._fingerprint = cache_key(self._fingerprint, "direct-pass")
+                if self.direct_pass.fused is not None:  # other roundings (fused_layers.py), other costs
+                    from .fused_layers import kernel_key as fused_key
+                    self._fingerprint = cache_key(self._fingerprint, "fused-layers", fused_key())
             if self.greedy_head is not None:
                 self._fingerprint = cache_key(self._fingerprint, "greedy-head", sorted(self.linear_plan.head_rows))
             if self.model.config._attn_implementation != "sdpa":

@@ -1,0 +1,175 @@
+/* The decoder layers of a Llama-architecture target in one call (fused_layers.py), over weights held as GGUF codes.
+ *
+ * llama_pass.py runs each decoder layer as ~20 torch operations; on a one-row step of SmolLM2-135M those calls,
+ * not the arithmetic, are most of the time outside the matmuls (each a few microseconds on a CPU, 30 layers).
+ * This file runs every layer of a pass in one call: RMSNorm, the q/k/v product, rotary embeddings, the cache
+ * write, attention, the output product and residual, RMSNorm, the gate/up product, SiLU times up, the down
+ * product and residual, with the matmuls through packed_linear.c's kernel (included below, so its code and its
+ * order of summation are the very same).
+ *
+ * Exactness. Every row of a pass is computed by the same operations in the same order whatever the number of
+ * rows n: the matmul kernel sums each output alone (packed_linear.c), and the rest is per row (RMSNorm, rotary
+ * embeddings, SiLU) or per (row, head) (attention: row i reads positions 0 .. start + i). So a row's result is
+ * bitwise the same in a one-row step and in a verify pass, which is what keeps speculative output equal to plain
+ * decoding. Against transformers' operations, RMSNorm's and attention's sums and the exponential (a polynomial
+ * here, ~1 ulp) differ in the last bits; the README measures what that does to greedy choices.
+ *
+ * Compiled with -ffp-contract=off (packed_linear.py's FLAGS): no multiply-add is fused where the source writes a
+ * multiply and an add, so the rotary embeddings and the residual adds are transformers' own roundings. */
+
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <string.h>
+#include "packed_linear.c"
+
+#define MAX_HEAD_DIM 256 /* fused_layers.py takes heads of at most this many dimensions */
+
+/* exp(x), its argument clamped to [-87, 88] (softmax shifted by its max; SiLU): Cody-Waite range reduction and a
+ * degree-6 polynomial, ~1 ulp; a plain loop of it vectorizes (no libm call). */
+INLINE float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float k = rintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } scale = { .i = ((int32_t)k + 127) << 23 };
+    return p * scale.f;
+}
+
+INLINE void rms_norm(const float *x, const float *w, int64_t D, float eps, float *y) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < D; j++) ss += x[j] * x[j];
+    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < D; j++) y[j] = w[j] * (x[j] * inv);
+}
+
+/* x @ W^T through the packed kernel: Q4 where offsets are given, else Q8 */
+INLINE void linear(const float *x, int64_t R, int64_t K, const void *codes, const float *scales,
+                   const float *offsets, int64_t N, float *y, int threads) {
+    if (offsets) diffspec_q4_linear(x, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
+    else diffspec_q8_linear(x, R, K, (const int8_t *)codes, scales, N, y, threads);
+}
+
+/* rotary embeddings of one head's row in place: (x * cos) + (rotate_half(x) * sin), rotate_half(x) = [-x2, x1] */
+INLINE void rotate(float *x, const float *cos, const float *sin, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = x[j], x2 = x[j + half];
+        const float a = x1 * cos[j], b = -x2 * sin[j];
+        const float c = x2 * cos[j + half], d = x1 * sin[j + half];
+        x[j] = a + b;
+        x[j + half] = c + d;
+    }
+}
+
+/* one query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd] */
+static void attend(const float *restrict q, const float *restrict keys, const float *restrict values, int64_t last,
+                   int64_t hd, float scale, float *restrict scores, float *restrict out) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p <= last; p++) {
+        const float *restrict k = keys + p * hd;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < hd; j++) s += q[j] * k[j];
+        s *= scale;
+        scores[p] = s;
+        top = s > top ? s : top;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p <= last; p++) {
+        const float e = exp_poly(scores[p] - top);
+        scores[p] = e;
+        sum += e;
+    }
+    float acc[MAX_HEAD_DIM];
+    for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+    for (int64_t p = 0; p <= last; p++) {
+        const float w = scores[p];
+        const float *restrict v = values + p * hd;
+#pragma omp simd
+        for (int64_t j = 0; j < hd; j++) acc[j] += w * v[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < hd; j++) out[j] = acc[j] * inv;
+}
+
+/* What one layer holds: a table of LAYER_FIELDS addresses per layer (fused_layers.py builds it). */
+enum { IN_NORM, QKV_CODES, QKV_SCALES, QKV_OFFSETS, O_CODES, O_SCALES, O_OFFSETS, POST_NORM, GU_CODES, GU_SCALES,
+       GU_OFFSETS, DOWN_CODES, DOWN_SCALES, DOWN_OFFSETS, K_CACHE, V_CACHE, CAPACITY, LAYER_FIELDS };
+
+int64_t diffspec_fused_layer_fields(void) { return LAYER_FIELDS; }
+
+/* Every decoder layer over n rows at positions start .. start + n - 1.
+ * h [n, D]: the embeddings in, the last layer's output out (before the final norm). cos, sin [n, hd]: the rotary
+ * tables of those positions. Each layer's cache: keys and values [KV, capacity, hd], rows written at start + i.
+ * hidden [L, n, D] (or NULL): each layer's output. work: at least fused_work_floats(...) floats. */
+int64_t diffspec_fused_work_floats(int64_t n, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F,
+                                   int64_t positions, int threads) {
+    return n * D + n * (H + 2 * KV) * hd + n * H * hd + n * 2 * F + n * F + (int64_t)threads * positions;
+}
+
+void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t start, int64_t D, int64_t H,
+                           int64_t KV, int64_t hd, int64_t F, float eps, float scale, const float *cos,
+                           const float *sin, float *h, float *hidden, float *work, int threads) {
+    const int64_t QKV = (H + 2 * KV) * hd, group = H / KV, positions = start + n;
+    float *xn = work, *qkv = xn + n * D, *att = qkv + n * QKV, *gu = att + n * H * hd, *act = gu + n * 2 * F,
+          *scores = act + n * F;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *t = table + l * LAYER_FIELDS;
+        const int64_t cap = t[CAPACITY];
+        float *kc = (float *)t[K_CACHE], *vc = (float *)t[V_CACHE];
+        for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[IN_NORM], D, eps, xn + i * D);
+        linear(xn, n, D, (const void *)t[QKV_CODES], (const float *)t[QKV_SCALES], (const float *)t[QKV_OFFSETS], QKV,
+               qkv, threads);
+        for (int64_t i = 0; i < n; i++) {
+            float *row = qkv + i * QKV;
+            for (int64_t j = 0; j < H + KV; j++) rotate(row + j * hd, cos + i * hd, sin + i * hd, hd);
+            for (int64_t g = 0; g < KV; g++) {
+                memcpy(kc + (g * cap + start + i) * hd, row + (H + g) * hd, hd * sizeof(float));
+                memcpy(vc + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+            }
+        }
+        /* (row, head) pairs among the threads: each computed alone, by the same code, whichever thread runs it */
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * H * positions > 1024)
+        for (int64_t ij = 0; ij < n * H; ij++) {
+            const int64_t i = ij / H, j = ij % H, g = j / group;
+            float *sc = scores;
+#ifdef _OPENMP
+            sc += (int64_t)omp_get_thread_num() * positions;
+#endif
+            attend(qkv + i * QKV + j * hd, kc + g * cap * hd, vc + g * cap * hd, start + i, hd, scale, sc,
+                   att + (i * H + j) * hd);
+        }
+        linear(att, n, H * hd, (const void *)t[O_CODES], (const float *)t[O_SCALES], (const float *)t[O_OFFSETS], D,
+               xn, threads);
+        for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
+        for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[POST_NORM], D, eps, xn + i * D);
+        linear(xn, n, D, (const void *)t[GU_CODES], (const float *)t[GU_SCALES], (const float *)t[GU_OFFSETS], 2 * F,
+               gu, threads);
+        for (int64_t i = 0; i < n; i++) {
+            const float *gate = gu + i * 2 * F, *up = gate + F;
+            float *a = act + i * F;
+#pragma omp simd
+            for (int64_t j = 0; j < F; j++) {
+                const float x = gate[j];
+                a[j] = (x / (1.0f + exp_poly(-x))) * up[j];
+            }
+        }
+        linear(act, n, F, (const void *)t[DOWN_CODES], (const float *)t[DOWN_SCALES], (const float *)t[DOWN_OFFSETS],
+               D, xn, threads);
+        for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
+        if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
+    }
+}

@@ -1,0 +1,163 @@
+"""Every decoder layer of a pass in one C call, for Llama-architecture targets whose weights are GGUF codes (issue 19).
+
+With the matmuls reading GGUF codes (packed_linear.py) and transformers' Python gone (llama_pass.py), a one-row
+step of SmolLM2-135M on a 2-core CPU still spent about half its time outside the matmuls: ~20 torch operations
+a layer (RMSNorm, rotary embeddings, the cache write, SDPA, SiLU, residuals), each a few microseconds of
+dispatch for a few hundred floats of work. fused_layers.c does a whole pass's layers in one call, the matmuls
+through the same packed kernel (compiled into it).
+
+What changes, and what does not:
+- every row of a pass is computed by the same operations whatever the pass's width (the kernel sums each output
+  alone; the rest is per row or per row and head), so a row's logits are bitwise the same in a one-row step and in
+  a verify pass: speculative output stays equal to plain decoding (tested, bitwise, at every width);
+- against transformers' (and llama_pass's torch) operations, RMSNorm's and attention's sums and the exponential
+  differ in the last bits (logits within ~1e-5), so a greedy argmax between two near-tied tokens can differ from
+  transformers' `generate`; the README measures the match rate. `--kernels multi-row` leaves one-row steps to
+  transformers' own arithmetic (the fused call never takes a width the plan does not run packed).
+
+It runs a pass where every layer's q/k/v, output, gate/up and down products run packed at that width (the
+plan, kernels.py), the cache's layers are position-indexed float32 buffers, and the library builds here;
+otherwise llama_pass's torch operations run it, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from . import packed_linear
+from .packed_linear import NATIVE, KernelUnavailable, compile_and_load
+
+SOURCE = Path(__file__).with_name("fused_layers.c")
+#: addresses per layer in the table the C function reads (its LAYER_FIELDS; checked when the library loads)
+FIELDS = 17
+#: the C function's MAX_HEAD_DIM
+MAX_HEAD_DIM = 256
+
+
+def _library():
+    return build_library(NATIVE)
+
+
+@functools.lru_cache(maxsize=None)
+def build_library(isa_flags: tuple):
+    """fused_layers.c (with the packed kernel) built with `isa_flags` and loaded, or a KernelUnavailable saying why not."""
+    lib = compile_and_load(SOURCE, "fused-layers", isa_flags, includes=(packed_linear.SOURCE,))
+    if isinstance(lib, KernelUnavailable):
+        return lib
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.diffspec_fused_layer_fields.restype = i64
+    lib.diffspec_fused_work_floats.argtypes = [i64] * 7 + [ctypes.c_int]
+    lib.diffspec_fused_work_floats.restype = i64
+    lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
+                                          ptr, ptr, ctypes.c_int]
+    lib.diffspec_fused_layers.restype = None
+    lib.diffspec_packed_isa.restype = ctypes.c_char_p
+    if lib.diffspec_fused_layer_fields() != FIELDS:
+        return KernelUnavailable(f"{SOURCE.name} lays out {lib.diffspec_fused_layer_fields()} fields a layer, "
+                                 f"fused_layers.py {FIELDS}")
+    return lib
+
+
+def unavailable() -> Optional[str]:
+    """Why the fused layers cannot run here (None: they can)."""
+    lib = _library()
+    return str(lib) if isinstance(lib, KernelUnavailable) else None
+
+
+def kernel_key() -> str:
+    """What identifies the fused pass's arithmetic (its source and the kernel's): cost tables and fingerprints."""
+    import hashlib
+    return hashlib.sha256(SOURCE.read_bytes() + packed_linear.kernel_key().encode()).hexdigest()[:16]
+
+
+def _addresses(pack) -> tuple:
+    return (pack.codes.data_ptr(), pack.scales.data_ptr(), 0 if pack.offsets is None else pack.offsets.data_ptr())
+
+
+class FusedLayers:
+    """The fused call for one LlamaPass's layers (llama_pass._Layer): `run` does a pass's layers, or returns None
+    where it does not apply (then the torch operations run it)."""
+
+    def __init__(self, layers: Sequence, heads: int, kv_heads: int, head_dim: int, hidden: int,
+                 isa_flags: tuple = NATIVE):
+        self.lib = build_library(isa_flags)
+        self.layers = list(layers)
+        self.heads, self.kv_heads, self.head_dim, self.hidden = heads, kv_heads, head_dim, hidden
+        self.ffn = self.layers[0].ffn
+        norms = [m for l in self.layers for m in (l.input_norm, l.post_norm)]
+        self.eps = float(norms[0].variance_epsilon)
+        self.scale = float(self.layers[0].scaling)
+        # one eps, scale and shape for every layer, float32 norms of the hidden width: else never
+        self.fits = (all(float(m.variance_epsilon) == self.eps and m.weight.dtype == torch.float32
+                         and m.weight.shape == (hidden,) for m in norms)
+                     and all(float(l.scaling) == self.scale and l.ffn == self.ffn for l in self.layers)
+                     and heads % kv_heads == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
+                     and not isinstance(self.lib, KernelUnavailable))
+        self.isa = self.lib.diffspec_packed_isa().decode() if self.fits else None
+        self._held: tuple = ()   # what the table was built from (packs, cache buffers), held so ids stay theirs
+        self._table: Optional[torch.Tensor] = None
+
+    def _packs(self, rows: int) -> Optional[list]:
+        packs = []
+        for layer in self.layers:
+            for group in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
+                pack = group.packed_for(rows)
+                if pack is None:
+                    return None
+                packs.append(pack)
+        return packs
+
+    def _table_for(self, packs: list, cache_layers) -> torch.Tensor:
+        buffers = [(c._keys, c._values) for c in cache_layers]
+        held = (packs, buffers)
+        if self._table is not None and len(self._held[0]) == len(packs) and \
+                all(a is b for a, b in zip(self._held[0], packs)) and \
+                all(a[0] is b[0] and a[1] is b[1] for a, b in zip(self._held[1], buffers)):
+            return self._table
+        rows = []
+        for i, (layer, cache) in enumerate(zip(self.layers, cache_layers)):
+            qkv, o, gate_up, down = packs[4 * i: 4 * i + 4]
+            rows.append([layer.input_norm.weight.data_ptr(), *_addresses(qkv), *_addresses(o),
+                         layer.post_norm.weight.data_ptr(), *_addresses(gate_up), *_addresses(down),
+                         cache._keys.data_ptr(), cache._values.data_ptr(), cache.capacity])
+        self._table, self._held = torch.tensor(rows, dtype=torch.int64), held
+        return self._table
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layers, start: int,
+            hidden_states: bool) -> Optional[tuple]:
+        """The layers over rows h [n, D] (float32, at positions start.., cos/sin [n, head dim]) on the cache's
+        position-indexed layers -> (last layer's output [n, D], each layer's output [L, n, D] or None), the cache's
+        layers advanced by n; or None where the call does not apply (nothing is changed then)."""
+        n = h.shape[0]
+        if not self.fits or h.dtype != torch.float32 or not h.is_cpu:
+            return None
+        packs = self._packs(n)
+        if packs is None:
+            return None
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        for c in cache_layers:
+            if not c.is_initialized:  # the buffers are made as a first pass's update would make them
+                c.lazy_initialization(h.new_empty(1, KV, 0, D), h.new_empty(1, KV, 0, D))
+            if c.dtype != torch.float32 or c._keys.shape[:2] != (1, KV) or not c._keys.is_contiguous() \
+                    or not c._values.is_contiguous() or c.length != start:
+                return None
+            c.reserve(start + n)
+        table = self._table_for(packs, cache_layers)
+        lib = self.lib
+        threads = torch.get_num_threads()
+        x = h.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        work = torch.empty(lib.diffspec_fused_work_floats(n, self.hidden, H, KV, D, self.ffn, start + n, threads))
+        hidden = torch.empty(len(self.layers), n, self.hidden) if hidden_states else None
+        lib.diffspec_fused_layers(len(self.layers), table.data_ptr(), n, start, self.hidden, H, KV, D, self.ffn,
+                                  self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
+                                  0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads)
+        for c in cache_layers:
+            c.length = start + n
+            c._view()
+        return x, hidden

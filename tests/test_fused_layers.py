@@ -1,0 +1,210 @@
+"""Every decoder layer in one C call (fused_layers.py): rows bitwise invariant to the pass's width (what keeps
+speculative output equal to plain decoding), transformers' values to float32 rounding, the cache written as the
+torch operations write it, and the call taken only where every layer runs packed at that width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec import attention
+from diffspec import fused_layers as FL
+from diffspec import kernels as K
+from diffspec import llama_pass as LP
+from diffspec import packed_linear as P
+from diffspec.cache import new_cache, truncate_cache
+from diffspec.engine import SpeculativeEngine
+from diffspec.policies import make_policy
+from diffspec.target import Target
+
+from helpers import RandomDrafter, ScriptedDrafter
+from test_llama_pass import PASSES, same_bits
+from test_packed_linear import ISAS, coded_model, every_bucket_packed
+
+
+def passes(model, plan=None, isa_flags=None):
+    """(the fused pass, the torch operations' pass) over one packed model."""
+    fused = LP.LlamaPass(model, plan)
+    if isa_flags is not None:
+        fused.fused = FL.FusedLayers(fused.layers, fused.heads, fused.kv_heads, fused.head_dim,
+                                     model.config.hidden_size, isa_flags=isa_flags)
+    assert fused.fused is not None and fused.fused.fits
+    return fused, LP.LlamaPass(model, plan, fused=False)
+
+
+@pytest.fixture(scope="module")
+def packed():
+    model = coded_model()
+    P.pack_model(model)
+    plan = every_bucket_packed(model)
+    K.install(model, plan)
+    attention.install(model)
+    yield model, plan
+    K.uninstall(model)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """float32 rounding apart: within 1e-4 of the largest magnitude (this model's weights are codes times 30, which
+    amplifies roundings to ~2e-5 of the logits' ~200; a wrong rotation, position or norm is off by far more)."""
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4 * max(1.0, b.abs().max().item()))
+
+
+def test_it_gives_the_torch_operations_values_at_every_width_through_rollbacks(packed):
+    model, plan = packed
+    fused, ops = passes(model, plan)
+    ids = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(1))
+    ours, theirs = new_cache(model.config), new_cache(model.config)
+    pos = 0
+    for n, back in PASSES:
+        x = ids[pos:pos + n].view(1, n)
+        got = fused.forward(x, ours, output_hidden_states=True)
+        want = ops.forward(x, theirs, output_hidden_states=True)
+        close(got.logits, want.logits)
+        assert len(got.hidden_states) == len(want.hidden_states)
+        for a, b in zip(got.hidden_states, want.hidden_states):
+            close(a, b)
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        for cache in (ours, theirs):
+            truncate_cache(cache, pos + n - back)
+        for a, b in zip(ours.layers, theirs.layers):  # the cache written where and as the torch operations write it
+            assert a.length == b.length
+            close(a.keys, b.keys)
+            close(a.values, b.values)
+        pos += n - back
+
+
+@pytest.mark.parametrize("isa", ["native", *sorted(ISAS)])
+def test_a_row_is_bitwise_the_same_in_a_one_row_step_and_in_any_wider_pass(packed, isa):
+    """The property speculation rests on: a verify pass of n rows computes each row as n one-row steps would."""
+    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    model, plan = packed
+    fused, _ = passes(model, plan, None if isa == "native" else ISAS[isa])
+    if isa != "native":
+        assert fused.fused.isa == isa
+    ids = torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(2))
+    steps_cache = new_cache(model.config)
+    fused.forward(ids[:40].view(1, 40), steps_cache)
+    steps = [fused.forward(ids[40 + i:41 + i].view(1, 1), steps_cache, output_hidden_states=True) for i in range(24)]
+    for n in (2, 3, 5, 8, 9, 16, 24):
+        cache = new_cache(model.config)
+        fused.forward(ids[:40].view(1, 40), cache)
+        wide = fused.forward(ids[40:40 + n].view(1, n), cache, output_hidden_states=True)
+        assert same_bits(wide.logits[0], torch.cat([s.logits[0] for s in steps[:n]])), n
+        for layer in (1, len(wide.hidden_states) - 1):  # a layer's output (what a conditioned drafter reads), the last
+            assert same_bits(wide.hidden_states[layer][0], torch.cat([s.hidden_states[layer][0] for s in steps[:n]]))
+        for a, b in zip(cache.layers, steps_cache.layers):
+            assert same_bits(a.keys[:, :, :40 + n], b.keys[:, :, :40 + n])
+
+
+def test_it_runs_only_the_widths_where_every_layer_runs_packed(packed, monkeypatch):
+    model, _ = packed
+    some = K.LinearPlan(packed_rows={shape: frozenset({1, 2, 3}) for shape in K.linear_groups(model)})
+    K.install(model, some)
+    try:
+        fused, ops = passes(model, some)
+        calls = []
+        original = FL.FusedLayers.run
+
+        def counted(self, h, *args):
+            out = original(self, h, *args)
+            calls.append((h.shape[0], out is not None))
+            return out
+
+        monkeypatch.setattr(FL.FusedLayers, "run", counted)
+        cache, theirs = new_cache(model.config), new_cache(model.config)
+        for n in (5, 1, 3, 4):
+            x = torch.arange(3, 3 + n).view(1, n)
+            close(fused.forward(x, cache).logits, ops.forward(x, theirs).logits)
+        monkeypatch.undo()
+        assert calls == [(5, False), (1, True), (3, True), (4, False)]  # widths not packed: the torch operations
+        # a layer packed again (its weight changed): the table follows the new pack, values as the torch operations
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+        P.pack_model(model)
+        K.install(model, some)
+        a, b = new_cache(model.config), new_cache(model.config)
+        close(fused.forward(torch.tensor([[5, 6, 7]]), a).logits, ops.forward(torch.tensor([[5, 6, 7]]), b).logits)
+        close(fused.forward(torch.tensor([[8]]), a).logits, ops.forward(torch.tensor([[8]]), b).logits)
+    finally:
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        P.pack_model(model)
+        K.install(model, every_bucket_packed(model))
+
+
+def test_models_it_cannot_take_keep_the_torch_operations():
+    model = coded_model()
+    P.pack_model(model)
+    plan = every_bucket_packed(model)
+    assert LP.LlamaPass(model, plan).fused is not None
+    assert LP.LlamaPass(model, plan, fused=False).fused is None
+    assert LP.LlamaPass(model, None).fused is None  # nothing packed
+    model.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3  # one eps for all layers, or none
+    assert LP.LlamaPass(model, plan).fused is None
+    with pytest.raises(Exception):
+        FL.FusedLayers([], 4, 2, 16, 64)  # no layers
+
+
+def test_a_target_uses_it_says_so_and_keys_its_costs_apart():
+    target = Target(coded_model(), kernels="stock")
+    P.pack_model(target.model)
+    target.linear_plan = every_bucket_packed(target.model)
+    K.install(target.model, target.linear_plan)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)
+    unfused = target.base_fingerprint
+    target.direct_pass, target._fingerprint = LP.LlamaPass(target.model, target.linear_plan), None
+    assert target.base_fingerprint != unfused  # other roundings, other costs: other cost tables
+    assert "fused_layers.c" in target.runtime()["forward"]
+    K.uninstall(target.model)
+
+
+@pytest.fixture()
+def fused_target():
+    target = Target(coded_model(), kernels="stock")
+    P.pack_model(target.model)
+    target.linear_plan = every_bucket_packed(target.model)
+    K.install(target.model, target.linear_plan)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
+    assert target.direct_pass.fused is not None
+    yield target
+    K.uninstall(target.model)
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 12])
+def test_greedy_speculation_through_the_fused_layers_equals_plain(fused_target, gamma):
+    prompt = list(range(5, 17))
+    plain = SpeculativeEngine(fused_target, None).generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids
+    for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(96, seed=4)):
+        engine = SpeculativeEngine(fused_target, drafter, make_policy("fixed", gamma=gamma))
+        result = engine.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+        assert result.token_ids == plain
+    assert result.mean_accepted_length < 2  # the random drafter was rejected too: the check compared something
+
+
+def test_sampled_speculation_through_the_fused_layers_samples_the_targets_distribution():
+    """Seeded chi-square test on the first two sampled tokens of an 8-token vocabulary: their exact joint
+    distribution from the fused target's own one-row passes, against the engine with a random drafter."""
+    from test_engine_sampling import PROMPT, V, chi_square_pvalue, sample_counts
+    from diffspec import SamplingParams
+    from diffspec.sampling import probs_from_logits
+
+    target = Target(coded_model(vocab=V, scale=1.0, head_scale=0.1), kernels="stock")
+    P.pack_model(target.model)
+    target.linear_plan = every_bucket_packed(target.model)
+    K.install(target.model, target.linear_plan)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
+    assert target.direct_pass.fused is not None
+    params = SamplingParams(temperature=0.9)
+
+    def next_probs(ids):
+        target.reset()
+        return probs_from_logits(target.forward(torch.tensor(ids)).logits[-1:], params)[0]
+
+    p1 = next_probs(PROMPT)
+    joint = torch.stack([p1[a] * next_probs(PROMPT + [a]) for a in range(V)]).flatten().double().numpy()
+    assert joint.max() < 0.5  # a spread distribution: a wrong rule would show
+    engine = SpeculativeEngine(target, RandomDrafter(V, seed=3), make_policy("fixed", gamma=2))
+    counts = sample_counts(engine, params, 2500)
+    assert chi_square_pvalue(counts, joint) > 1e-3
+    K.uninstall(target.model)
