@@ -72,19 +72,23 @@ INLINE void rotate(float *x, const float *cos, const float *sin, int64_t hd) {
     }
 }
 
-/* one query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd] */
-static void attend(const float *restrict q, const float *restrict keys, const float *restrict values, int64_t last,
-                   int64_t hd, float scale, float *restrict scores, float *restrict out) {
-    float top = -INFINITY;
-    for (int64_t p = 0; p <= last; p++) {
-        const float *restrict k = keys + p * hd;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < hd; j++) s += q[j] * k[j];
-        s *= scale;
-        scores[p] = s;
-        top = s > top ? s : top;
-    }
+/* A few more vector operations beside packed_linear.c's (same widths). */
+#if defined(__AVX512F__)
+INLINE vec vset1(float a) { return _mm512_set1_ps(a); }
+INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE void vstore(float *p, vec a) { _mm512_storeu_ps(p, a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+INLINE vec vset1(float a) { return _mm256_set1_ps(a); }
+INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE void vstore(float *p, vec a) { _mm256_storeu_ps(p, a); }
+#else
+INLINE vec vset1(float a) { return a; }
+INLINE vec vmul(vec a, vec b) { return a * b; }
+INLINE void vstore(float *p, vec a) { *p = a; }
+#endif
+
+/* softmax over scores[0 .. last] in place (shifted by the max): returns 1 / the sum of the exponentials */
+INLINE float softmax_weights(float *restrict scores, int64_t last, float top) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t p = 0; p <= last; p++) {
@@ -92,17 +96,66 @@ static void attend(const float *restrict q, const float *restrict keys, const fl
         scores[p] = e;
         sum += e;
     }
+    return 1.0f / sum;
+}
+
+/* One query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd], with hd = NV vectors
+ * (a compile-time count once inlined: the query and the output stay in registers). Each score is one chain of
+ * multiply-adds over the vectors then a fixed horizontal sum; the output sums the positions in order. */
+INLINE void attend_vectors(const int NV, const float *restrict q, const float *restrict keys,
+                           const float *restrict values, int64_t last, float scale, float *restrict scores,
+                           float *restrict out) {
+    vec qv[NV], o[NV];
+    for (int c = 0; c < NV; c++) qv[c] = vload(q + c * LANES);
+    float top = -INFINITY;
+    for (int64_t p = 0; p <= last; p++) {
+        const float *restrict k = keys + p * NV * LANES;
+        vec acc = vmul(qv[0], vload(k));
+        for (int c = 1; c < NV; c++) acc = vfma(qv[c], vload(k + c * LANES), acc);
+        const float s = vsum(acc) * scale;
+        scores[p] = s;
+        top = s > top ? s : top;
+    }
+    const float inv = softmax_weights(scores, last, top);
+    for (int c = 0; c < NV; c++) o[c] = vzero();
+    for (int64_t p = 0; p <= last; p++) {
+        const vec w = vset1(scores[p]);
+        const float *restrict v = values + p * NV * LANES;
+        for (int c = 0; c < NV; c++) o[c] = vfma(w, vload(v + c * LANES), o[c]);
+    }
+    const vec vinv = vset1(inv);
+    for (int c = 0; c < NV; c++) vstore(out + c * LANES, vmul(o[c], vinv));
+}
+
+/* The same for any head width (one model always takes the same one of the two: rows stay invariant). */
+static void attend_any(const float *restrict q, const float *restrict keys, const float *restrict values,
+                       int64_t last, int64_t hd, float scale, float *restrict scores, float *restrict out) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p <= last; p++) {
+        const float *restrict k = keys + p * hd;
+        float s = 0.0f;
+        for (int64_t j = 0; j < hd; j++) s += q[j] * k[j];
+        s *= scale;
+        scores[p] = s;
+        top = s > top ? s : top;
+    }
+    const float inv = softmax_weights(scores, last, top);
     float acc[MAX_HEAD_DIM];
     for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
     for (int64_t p = 0; p <= last; p++) {
         const float w = scores[p];
         const float *restrict v = values + p * hd;
-#pragma omp simd
         for (int64_t j = 0; j < hd; j++) acc[j] += w * v[j];
     }
-    const float inv = 1.0f / sum;
-#pragma omp simd
     for (int64_t j = 0; j < hd; j++) out[j] = acc[j] * inv;
+}
+
+static void attend(const float *restrict q, const float *restrict keys, const float *restrict values, int64_t last,
+                   int64_t hd, float scale, float *restrict scores, float *restrict out) {
+#define NV_CASE(NV) case NV: attend_vectors(NV, q, keys, values, last, scale, scores, out); return;
+    if (hd % LANES == 0) switch (hd / LANES) { NV_CASE(1) NV_CASE(2) NV_CASE(4) NV_CASE(8) NV_CASE(16) }
+#undef NV_CASE
+    attend_any(q, keys, values, last, hd, scale, scores, out);
 }
 
 /* What one layer holds: a table of LAYER_FIELDS addresses per layer (fused_layers.py builds it). */
@@ -143,8 +196,8 @@ void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t s
         }
         /* (row, head) pairs among the threads: each computed alone, by the same code, whichever thread runs it */
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * H * positions > 1024)
-        for (int64_t ij = 0; ij < n * H; ij++) {
-            const int64_t i = ij / H, j = ij % H, g = j / group;
+        for (int64_t ji = 0; ji < n * H; ji++) {  /* a head's rows in turn: its keys and values stay in cache */
+            const int64_t j = ji / n, i = ji % n, g = j / group;
             float *sc = scores;
 #ifdef _OPENMP
             sc += (int64_t)omp_get_thread_num() * positions;
