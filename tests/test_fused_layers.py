@@ -137,7 +137,12 @@ def test_models_it_cannot_take_keep_the_torch_operations():
     model = coded_model()
     P.pack_model(model)
     plan = every_bucket_packed(model)
-    assert LP.LlamaPass(model, plan).fused is not None
+    direct = LP.LlamaPass(model, plan)
+    assert direct.fused is not None
+    from transformers import DynamicCache
+    concatenating = DynamicCache(config=model.config)  # not position-indexed buffers: never written by the call
+    assert direct.fused.run(torch.zeros(1, 64), torch.ones(1, 16), torch.ones(1, 16), concatenating.layers, 0,
+                            False) is None
     assert LP.LlamaPass(model, plan, fused=False).fused is None
     assert LP.LlamaPass(model, None).fused is None  # nothing packed
     model.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3  # one eps for all layers, or none

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import packed_linear
+from .cache import PositionalLayer
 from .packed_linear import NATIVE, KernelUnavailable, compile_and_load
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
@@ -141,6 +142,8 @@ class FusedLayers:
             return None
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         for c in cache_layers:
+            if type(c) is not PositionalLayer:
+                return None
             if not c.is_initialized:  # the buffers are made as a first pass's update would make them
                 c.lazy_initialization(h.new_empty(1, KV, 0, D), h.new_empty(1, KV, 0, D))
             if c.dtype != torch.float32 or c._keys.shape[:2] != (1, KV) or not c._keys.is_contiguous() \
