@@ -45,9 +45,10 @@ def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(gguf_blocks(kind, n, k, seed), qtype).reshape(n, k).astype(np.float32))
 
 
-def coded_model(vocab: int = 96, seed: int = 3, scale: float = 30.0, head_scale: float = 10.0) -> torch.nn.Module:
+def coded_model(vocab: int = 96, seed: int = 3, scale: float = 30.0, head_scale: float = 10.0,
+                hidden: int = 64) -> torch.nn.Module:
     """A tiny float32 Llama whose linear layers are Q4_1 codes and whose head is Q8_0 codes (as the default target)."""
-    model = make_model(vocab, seed=seed, hidden=64, dtype=torch.float32)
+    model = make_model(vocab, seed=seed, hidden=hidden, dtype=torch.float32)
     with torch.no_grad():
         for i, (name, mod) in enumerate(model.named_modules()):
             if isinstance(mod, torch.nn.Linear):

@@ -102,6 +102,14 @@ class PositionalLayer(DynamicLayer):
         self._view()
         return self.keys, self.values
 
+    def advance(self, n: int) -> None:
+        """Record `n` positions written into the buffers in place after `length` by a caller (fused_layers.py),
+        room for them made first (`reserve`)."""
+        if self.length + n > self.capacity:
+            raise ValueError(f"{n} positions written past a capacity of {self.capacity} (length {self.length})")
+        self.length += n
+        self._view()
+
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 

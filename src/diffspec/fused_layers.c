@@ -44,12 +44,31 @@ INLINE float exp_poly(float x) {
     return p * scale.f;
 }
 
+/* A sum of squares, and below a sum, in one fixed order whatever the addresses (the vector lanes in turn, then
+ * the tail, then one horizontal sum): no loop whose split into vectors a compiler could choose by alignment. */
+INLINE float sum_of_squares(const float *x, int64_t D) {
+    vec acc = vzero();
+    int64_t j = 0;
+    for (; j + LANES <= D; j += LANES) {
+        const vec v = vload(x + j);
+        acc = vfma(v, v, acc);
+    }
+    float tail = 0.0f;
+    for (; j < D; j++) tail += x[j] * x[j];
+    return vsum(acc) + tail;
+}
+
+INLINE float sum_of(const float *x, int64_t m) {
+    vec acc = vzero();
+    int64_t j = 0;
+    for (; j + LANES <= m; j += LANES) acc = vadd(vload(x + j), acc);
+    float tail = 0.0f;
+    for (; j < m; j++) tail += x[j];
+    return vsum(acc) + tail;
+}
+
 INLINE void rms_norm(const float *x, const float *w, int64_t D, float eps, float *y) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < D; j++) ss += x[j] * x[j];
-    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma omp simd
+    const float inv = 1.0f / sqrtf(sum_of_squares(x, D) / (float)D + eps);
     for (int64_t j = 0; j < D; j++) y[j] = w[j] * (x[j] * inv);
 }
 
@@ -89,14 +108,8 @@ INLINE void vstore(float *p, vec a) { *p = a; }
 
 /* softmax over scores[0 .. last] in place (shifted by the max): returns 1 / the sum of the exponentials */
 INLINE float softmax_weights(float *restrict scores, int64_t last, float top) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p <= last; p++) {
-        const float e = exp_poly(scores[p] - top);
-        scores[p] = e;
-        sum += e;
-    }
-    return 1.0f / sum;
+    for (int64_t p = 0; p <= last; p++) scores[p] = exp_poly(scores[p] - top);
+    return 1.0f / sum_of(scores, last + 1);
 }
 
 /* One query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd], with hd = NV vectors
@@ -163,6 +176,7 @@ enum { IN_NORM, QKV_CODES, QKV_SCALES, QKV_OFFSETS, O_CODES, O_SCALES, O_OFFSETS
        GU_OFFSETS, DOWN_CODES, DOWN_SCALES, DOWN_OFFSETS, K_CACHE, V_CACHE, CAPACITY, LAYER_FIELDS };
 
 int64_t diffspec_fused_layer_fields(void) { return LAYER_FIELDS; }
+int64_t diffspec_fused_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 /* Every decoder layer over n rows at positions start .. start + n - 1.
  * h [n, D]: the embeddings in, the last layer's output out (before the final norm). cos, sin [n, hd]: the rotary

@@ -40,10 +40,6 @@ FIELDS = 17
 MAX_HEAD_DIM = 256
 
 
-def _library():
-    return build_library(NATIVE)
-
-
 @functools.lru_cache(maxsize=None)
 def build_library(isa_flags: tuple):
     """fused_layers.c (with the packed kernel) built with `isa_flags` and loaded, or a KernelUnavailable saying why not."""
@@ -51,23 +47,16 @@ def build_library(isa_flags: tuple):
     if isinstance(lib, KernelUnavailable):
         return lib
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.diffspec_fused_layer_fields.restype = i64
+    lib.diffspec_fused_layer_fields.restype = lib.diffspec_fused_max_head_dim.restype = i64
     lib.diffspec_fused_work_floats.argtypes = [i64] * 7 + [ctypes.c_int]
     lib.diffspec_fused_work_floats.restype = i64
     lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
                                           ptr, ptr, ctypes.c_int]
     lib.diffspec_fused_layers.restype = None
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
-    if lib.diffspec_fused_layer_fields() != FIELDS:
-        return KernelUnavailable(f"{SOURCE.name} lays out {lib.diffspec_fused_layer_fields()} fields a layer, "
-                                 f"fused_layers.py {FIELDS}")
+    if (lib.diffspec_fused_layer_fields(), lib.diffspec_fused_max_head_dim()) != (FIELDS, MAX_HEAD_DIM):
+        return KernelUnavailable(f"{SOURCE.name} and fused_layers.py disagree on the table's fields or the widest head")
     return lib
-
-
-def unavailable() -> Optional[str]:
-    """Why the fused layers cannot run here (None: they can)."""
-    lib = _library()
-    return str(lib) if isinstance(lib, KernelUnavailable) else None
 
 
 def kernel_key() -> str:
@@ -100,7 +89,7 @@ class FusedLayers:
                      and heads % kv_heads == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
                      and not isinstance(self.lib, KernelUnavailable))
         self.isa = self.lib.diffspec_packed_isa().decode() if self.fits else None
-        self._held: tuple = ()   # what the table was built from (packs, cache buffers), held so ids stay theirs
+        self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
 
     def _packs(self, rows: int) -> Optional[list]:
@@ -114,18 +103,18 @@ class FusedLayers:
         return packs
 
     def _table_for(self, packs: list, cache_layers) -> torch.Tensor:
-        buffers = [(c._keys, c._values) for c in cache_layers]
-        held = (packs, buffers)
-        if self._table is not None and len(self._held[0]) == len(packs) and \
-                all(a is b for a, b in zip(self._held[0], packs)) and \
-                all(a[0] is b[0] and a[1] is b[1] for a, b in zip(self._held[1], buffers)):
+        """The C call's table of addresses, built again whenever a pack, a norm's weight or a cache buffer is not
+        the very tensor it was built from (all held meanwhile: no address in it can be freed)."""
+        held = [*packs, *(m.weight for l in self.layers for m in (l.input_norm, l.post_norm)),
+                *(b for c in cache_layers for b in (c._keys, c._values))]
+        if self._table is not None and len(self._held) == len(held) and all(a is b for a, b in zip(self._held, held)):
             return self._table
         rows = []
         for i, (layer, cache) in enumerate(zip(self.layers, cache_layers)):
             qkv, o, gate_up, down = packs[4 * i: 4 * i + 4]
             rows.append([layer.input_norm.weight.data_ptr(), *_addresses(qkv), *_addresses(o),
                          layer.post_norm.weight.data_ptr(), *_addresses(gate_up), *_addresses(down),
-                         cache._keys.data_ptr(), cache._values.data_ptr(), cache.capacity])
+                         cache._keys.data_ptr(), cache._values.data_ptr(), cache._keys.shape[2]])
         self._table, self._held = torch.tensor(rows, dtype=torch.int64), held
         return self._table
 
@@ -135,7 +124,8 @@ class FusedLayers:
         position-indexed layers -> (last layer's output [n, D], each layer's output [L, n, D] or None), the cache's
         layers advanced by n; or None where the call does not apply (nothing is changed then)."""
         n = h.shape[0]
-        if not self.fits or h.dtype != torch.float32 or not h.is_cpu:
+        if not self.fits or h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2 or h.shape[1] != self.hidden \
+                or len(cache_layers) != len(self.layers):
             return None
         packs = self._packs(n)
         if packs is None:
@@ -146,21 +136,25 @@ class FusedLayers:
                 return None
             if not c.is_initialized:  # the buffers are made as a first pass's update would make them
                 c.lazy_initialization(h.new_empty(1, KV, 0, D), h.new_empty(1, KV, 0, D))
-            if c.dtype != torch.float32 or c._keys.shape[:2] != (1, KV) or not c._keys.is_contiguous() \
-                    or not c._values.is_contiguous() or c.length != start:
+            shape = (1, KV, c._keys.shape[2], D)
+            if c.length != start or any(b.dtype != torch.float32 or b.shape != shape or not b.is_contiguous()
+                                        for b in (c._keys, c._values)):
                 return None
+        for c in cache_layers:
             c.reserve(start + n)
         table = self._table_for(packs, cache_layers)
         lib = self.lib
         threads = torch.get_num_threads()
-        x = h.contiguous().clone()
+        x = h.clone(memory_format=torch.contiguous_format)  # the call writes the residual stream into it
         cos, sin = cos.contiguous(), sin.contiguous()
-        work = torch.empty(lib.diffspec_fused_work_floats(n, self.hidden, H, KV, D, self.ffn, start + n, threads))
-        hidden = torch.empty(len(self.layers), n, self.hidden) if hidden_states else None
+        if cos.shape != (n, D) or sin.shape != (n, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            return None
+        work = torch.empty(lib.diffspec_fused_work_floats(n, self.hidden, H, KV, D, self.ffn, start + n, threads),
+                           dtype=torch.float32)
+        hidden = torch.empty(len(self.layers), n, self.hidden, dtype=torch.float32) if hidden_states else None
         lib.diffspec_fused_layers(len(self.layers), table.data_ptr(), n, start, self.hidden, H, KV, D, self.ffn,
                                   self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                   0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads)
         for c in cache_layers:
-            c.length = start + n
-            c._view()
+            c.advance(n)
         return x, hidden

@@ -230,7 +230,7 @@ class LlamaPass:
         position_ids = torch.arange(start, start + n).unsqueeze(0)
         cos, sin = self.rotary(h, position_ids=position_ids)
         fused = self.fused.run(h[0], cos[0], sin[0], cache.layers, start, output_hidden_states) \
-            if self.fused is not None else None
+            if self.fused is not None and input_ids.shape[0] == 1 else None
         if fused is not None:
             last, outputs = fused
             hidden = [h, *(outputs[i].unsqueeze(0) for i in range(outputs.shape[0]))] if outputs is not None else None
