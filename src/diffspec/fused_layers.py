@@ -89,6 +89,7 @@ class FusedLayers:
                      and heads % kv_heads == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM
                      and not isinstance(self.lib, KernelUnavailable))
         self.isa = self.lib.diffspec_packed_isa().decode() if self.fits else None
+        self._norm_params = [m._parameters for l in self.layers for m in (l.input_norm, l.post_norm)]
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
 
@@ -102,53 +103,62 @@ class FusedLayers:
                 packs.append(pack)
         return packs
 
-    def _table_for(self, packs: list, cache_layers) -> torch.Tensor:
-        """The C call's table of addresses, built again whenever a pack, a norm's weight or a cache buffer is not
-        the very tensor it was built from (all held meanwhile: no address in it can be freed)."""
-        held = [*packs, *(m.weight for l in self.layers for m in (l.input_norm, l.post_norm)),
-                *(b for c in cache_layers for b in (c._keys, c._values))]
-        if self._table is not None and len(self._held) == len(held) and all(a is b for a, b in zip(self._held, held)):
+    def _table_for(self, packs: list, cache_layers) -> Optional[torch.Tensor]:
+        """The C call's table of addresses (None: a cache buffer the call cannot write). Built again whenever a pack,
+        a norm's weight or a cache buffer is not the very tensor it was built from; all of them are held meanwhile,
+        so no address in it can be freed."""
+        held = self._held
+        if held and all(a is b for a, b in zip(held[0], packs)) \
+                and all(c._keys is k and c._values is v for c, (k, v) in zip(cache_layers, held[1])) \
+                and all(p["weight"] is w for p, w in zip(self._norm_params, held[2])):
             return self._table
+        KV, D = self.kv_heads, self.head_dim
+        for c in cache_layers:
+            shape = (1, KV, c._keys.shape[2], D)
+            if any(b.dtype != torch.float32 or b.shape != shape or not b.is_contiguous() for b in (c._keys, c._values)):
+                return None
         rows = []
         for i, (layer, cache) in enumerate(zip(self.layers, cache_layers)):
             qkv, o, gate_up, down = packs[4 * i: 4 * i + 4]
             rows.append([layer.input_norm.weight.data_ptr(), *_addresses(qkv), *_addresses(o),
                          layer.post_norm.weight.data_ptr(), *_addresses(gate_up), *_addresses(down),
                          cache._keys.data_ptr(), cache._values.data_ptr(), cache._keys.shape[2]])
-        self._table, self._held = torch.tensor(rows, dtype=torch.int64), held
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._held = (packs, [(c._keys, c._values) for c in cache_layers], [p["weight"] for p in self._norm_params])
         return self._table
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layers, start: int,
             hidden_states: bool) -> Optional[tuple]:
         """The layers over rows h [n, D] (float32, at positions start.., cos/sin [n, head dim]) on the cache's
         position-indexed layers -> (last layer's output [n, D], each layer's output [L, n, D] or None), the cache's
-        layers advanced by n; or None where the call does not apply (nothing is changed then)."""
+        layers advanced by n; or None where the call does not apply (nothing is changed then but room made in the
+        cache's buffers)."""
         n = h.shape[0]
         if not self.fits or h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2 or h.shape[1] != self.hidden \
                 or len(cache_layers) != len(self.layers):
             return None
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        if cos.shape != (n, D) or sin.shape != (n, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            return None
         packs = self._packs(n)
         if packs is None:
             return None
-        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        end = start + n
         for c in cache_layers:
-            if type(c) is not PositionalLayer:
+            if type(c) is not PositionalLayer or c.get_seq_length() != start:
                 return None
+        for c in cache_layers:
             if not c.is_initialized:  # the buffers are made as a first pass's update would make them
                 c.lazy_initialization(h.new_empty(1, KV, 0, D), h.new_empty(1, KV, 0, D))
-            shape = (1, KV, c._keys.shape[2], D)
-            if c.length != start or any(b.dtype != torch.float32 or b.shape != shape or not b.is_contiguous()
-                                        for b in (c._keys, c._values)):
-                return None
-        for c in cache_layers:
-            c.reserve(start + n)
+            if c.capacity < end:
+                c.reserve(end)
         table = self._table_for(packs, cache_layers)
+        if table is None:
+            return None
         lib = self.lib
         threads = torch.get_num_threads()
         x = h.clone(memory_format=torch.contiguous_format)  # the call writes the residual stream into it
         cos, sin = cos.contiguous(), sin.contiguous()
-        if cos.shape != (n, D) or sin.shape != (n, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            return None
         work = torch.empty(lib.diffspec_fused_work_floats(n, self.hidden, H, KV, D, self.ffn, start + n, threads),
                            dtype=torch.float32)
         hidden = torch.empty(len(self.layers), n, self.hidden, dtype=torch.float32) if hidden_states else None
