@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from .attention import GQA_SDPA
 from .cache import PositionalLayer
-from .kernels import ROW_BUCKETS
 from .fused_layers import FusedLayers
+from .kernels import ROW_BUCKETS
 from .packed_linear import PackedWeight, _run_kernel, current_pack
 
 
