@@ -154,16 +154,23 @@ def test_models_it_cannot_take_keep_the_torch_operations():
     assert LP.LlamaPass(model, None).fused is None  # nothing packed
     model.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3  # one eps for all layers, or none
     assert LP.LlamaPass(model, plan).fused is None
-    with pytest.raises(Exception):
-        FL.FusedLayers([], 4, 2, 16, 64)  # no layers
+    with pytest.raises(ValueError, match="no decoder layers"):
+        FL.FusedLayers([], 4, 2, 16, 64)
 
 
-def test_a_target_uses_it_says_so_and_keys_its_costs_apart():
-    target = Target(coded_model(), kernels="stock")
+def packed_target(model, fused: bool = True) -> Target:
+    """A target over a coded model with every layer packed at every width, through the direct pass (fused or not)."""
+    target = Target(model, kernels="stock")
     P.pack_model(target.model)
     target.linear_plan = every_bucket_packed(target.model)
     K.install(target.model, target.linear_plan)
-    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=fused)
+    assert (target.direct_pass.fused is not None) == fused
+    return target
+
+
+def test_a_target_uses_it_says_so_and_keys_its_costs_apart():
+    target = packed_target(coded_model(), fused=False)
     unfused = target.base_fingerprint
     target.direct_pass, target._fingerprint = LP.LlamaPass(target.model, target.linear_plan), None
     assert target.base_fingerprint != unfused  # other roundings, other costs: other cost tables
@@ -173,12 +180,7 @@ def test_a_target_uses_it_says_so_and_keys_its_costs_apart():
 
 @pytest.fixture()
 def fused_target():
-    target = Target(coded_model(), kernels="stock")
-    P.pack_model(target.model)
-    target.linear_plan = every_bucket_packed(target.model)
-    K.install(target.model, target.linear_plan)
-    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
-    assert target.direct_pass.fused is not None
+    target = packed_target(coded_model())
     yield target
     K.uninstall(target.model)
 
@@ -201,12 +203,7 @@ def test_sampled_speculation_through_the_fused_layers_samples_the_targets_distri
     from diffspec import SamplingParams
     from diffspec.sampling import probs_from_logits
 
-    target = Target(coded_model(vocab=V, scale=1.0, head_scale=0.1), kernels="stock")
-    P.pack_model(target.model)
-    target.linear_plan = every_bucket_packed(target.model)
-    K.install(target.model, target.linear_plan)
-    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
-    assert target.direct_pass.fused is not None
+    target = packed_target(coded_model(vocab=V, scale=1.0, head_scale=0.1))
     params = SamplingParams(temperature=0.9)
 
     def next_probs(ids):

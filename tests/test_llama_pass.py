@@ -172,7 +172,7 @@ def test_greedy_speculation_through_the_direct_pass_with_packed_kernels_equals_p
     P.pack_model(target.model)
     target.linear_plan = every_bucket_packed(target.model)
     K.install(target.model, target.linear_plan)
-    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan)
+    target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)  # fused: test_fused_layers.py
     prompt = list(range(5, 17))
     plain = SpeculativeEngine(target, None).generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids
     for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(96, seed=4)):
