@@ -69,7 +69,6 @@ class ContextCache:
                 tensors[i] = new
 
 
-
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor
