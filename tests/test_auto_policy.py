@@ -318,7 +318,7 @@ def first_two_counts(engine, params, n):
 def test_auto_and_combined_sample_the_target_distribution(kind):
     """auto + (prompt lookup, whose drafts it may cut, then an AR drafter drawing from q, which it may
     not cut or prefer by its draw); and a policy that would cut by the draw, which the engine never asks."""
-    from test_engine_sampling import SETTINGS, chi_square_pvalue, exact_joint, V
+    from test_engine_sampling import SETTINGS, V, chi_square_pvalue, cpu_target, exact_joint
 
     model, draft_model = make_model(V, seed=5, std=0.6), make_model(V, seed=6, layers=1, std=0.6)
     if kind == "cut+ar":
@@ -326,7 +326,7 @@ def test_auto_and_combined_sample_the_target_distribution(kind):
     else:
         drafter = CombinedDrafter([PromptLookupDrafter(), AutoregressiveDrafter(draft_model)])
         policy = AutoPolicy(costs=JUMP, calibrate=False)
-    engine = SpeculativeEngine(Target(model), drafter, policy)
+    engine = SpeculativeEngine(cpu_target(model), drafter, policy)
     params = SETTINGS["temperature"]
     counts = first_two_counts(engine, params, SAMPLES)
     assert chi_square_pvalue(counts, exact_joint(model, params)) > 1e-3
@@ -336,10 +336,10 @@ def test_the_sampling_test_catches_a_cut_that_reads_the_draw(monkeypatch):
     """Power check: let the engine cut drafts drawn from q by their drawn probability (the wrong rule
     draft_may_be_judged forbids) and the same chi-square test fails."""
     import diffspec.engine as engine_module
-    from test_engine_sampling import SETTINGS, chi_square_pvalue, exact_joint, V
+    from test_engine_sampling import SETTINGS, V, chi_square_pvalue, cpu_target, exact_joint
 
     monkeypatch.setattr(engine_module, "draft_may_be_judged", lambda draft, sampling: True)
     model, draft_model = make_model(V, seed=5, std=0.6), make_model(V, seed=6, layers=1, std=0.6)
-    engine = SpeculativeEngine(Target(model), AutoregressiveDrafter(draft_model), CutUnlikely())
+    engine = SpeculativeEngine(cpu_target(model), AutoregressiveDrafter(draft_model), CutUnlikely())
     params = SETTINGS["temperature"]
     assert chi_square_pvalue(first_two_counts(engine, params, SAMPLES), exact_joint(model, params)) < 1e-6

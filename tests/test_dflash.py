@@ -134,11 +134,11 @@ def test_a_folder_saved_by_the_reference_loads_and_drafts_identically(tmp_path, 
 
 def test_a_reference_drafter_samples_the_target_distribution(tmp_path):
     """Rejection sampling with an imported DFlash drafter's q: the chi-square test of test_engine_sampling."""
-    from test_engine_sampling import SETTINGS, V, chi_square_pvalue, exact_joint, sample_counts
+    from test_engine_sampling import SETTINGS, V, chi_square_pvalue, cpu_target, exact_joint, sample_counts
 
     model = make_model(V, seed=5, std=0.6)
     written_by_reference(tmp_path / "ref", model, block_size=4, mask=3)
-    engine = SpeculativeEngine(Target(model), load_drafter(tmp_path / "ref", dtype=torch.float64), FixedPolicy(3))
+    engine = SpeculativeEngine(cpu_target(model), load_drafter(tmp_path / "ref", dtype=torch.float64), FixedPolicy(3))
     params = SETTINGS["temperature"]
     assert chi_square_pvalue(sample_counts(engine, params, 2500), exact_joint(model, params)) > 1e-3
 

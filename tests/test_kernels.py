@@ -95,6 +95,32 @@ def test_measured_plan_covers_every_shape_and_is_cached(monkeypatch, tmp_path):
     assert K.plan_for_mode(model, "multi-row") == plan.multi_row_only()
 
 
+def test_loaders_starting_together_time_the_plan_once(monkeypatch, tmp_path):
+    """Two loaders on an empty cost cache (the suite's two workers, a server beside a CLI run): one times the
+    plan, the other waits for it and reads it (two timings at once would each slow the other, and the work is
+    done twice). Threads open the lock file apart, so they exclude each other as two processes do."""
+    import threading
+    import time
+
+    monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
+    model = make_model(70, dtype=torch.float32, hidden=64)
+    timed, measure = [], K.measure_plan
+
+    def slow_measure(m):
+        timed.append(1)
+        time.sleep(0.5)  # both loaders are past their first read by then
+        return measure(m)
+
+    monkeypatch.setattr(K, "measure_plan", slow_measure)
+    plans = []
+    loaders = [threading.Thread(target=lambda: plans.append(K.cached_plan(model, quiet=True))) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert len(timed) == 1 and len(plans) == 2 and plans[0] == plans[1]
+
+
 def test_routed_layers_give_the_same_logits_and_one_row_stays_stock(mm_calls):
     model = make_model(70, dtype=torch.float32)
     ids = torch.randint(0, 70, (1, 9), generator=torch.Generator().manual_seed(1))

@@ -23,7 +23,7 @@ import torch
 from .devices import synchronize
 from .errors import DiffspecError
 from .machine_keys import cache_key, cost_dir, machine_key, model_fingerprint
-from .output import write_atomically
+from .output import read_or_fill, write_atomically
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (64, 256, 1024)
@@ -217,20 +217,25 @@ def measure_verify_costs(target, ks: Optional[Sequence[int]] = None, contexts: S
 
 
 def load_or_measure_verify_costs(target, recalibrate: bool = False, progress: bool = False) -> tuple:
-    """-> (CostTable, whether it came from the cache)."""
+    """-> (CostTable, whether it came from the cache). Another process timing the same passes is waited for and
+    its table read."""
     key = verify_key(target)
     path = verify_path(target)
-    if not recalibrate:
-        d = _read(path)
-        if d is not None and d.get("key") == key:
-            return CostTable.from_json(d), True
-    if progress:
-        import sys
 
-        print("diffspec: timing the target's verify passes on this machine (once; cached)", file=sys.stderr)
-    table = measure_verify_costs(target, progress=progress)
-    _write(path, table.to_json())
-    return table, False
+    def cached() -> Optional[CostTable]:
+        d = None if recalibrate else _read(path)
+        return CostTable.from_json(d) if d is not None and d.get("key") == key else None
+
+    def measured() -> CostTable:
+        if progress:
+            import sys
+
+            print("diffspec: timing the target's verify passes on this machine (once; cached)", file=sys.stderr)
+        table = measure_verify_costs(target, progress=progress)
+        _write(path, table.to_json())
+        return table
+
+    return read_or_fill(path, cached, measured)
 
 
 def drafter_key(target, drafter) -> str:
@@ -258,15 +263,20 @@ def drafter_calibration(target, drafter, measure: Callable[[], dict], recalibrat
     -> (record, 'cache' | 'measured', path)."""
     key = drafter_key(target, drafter)  # taken once: calibrating re-attaches the drafter
     path = cost_dir() / f"drafter-{key}.json"
-    if not recalibrate:
-        d = _read(path)
-        if d is not None and d.get("key") == key:
-            return d, "cache", path
-    if progress:
-        import sys
 
-        print(f"diffspec: timing drafter {drafter.name} on this machine (a short run at fixed draft lengths; "
-              f"once, then cached)", file=sys.stderr)
-    record = {"format": FORMAT, "key": key, "drafter": drafter.describe(), **measure()}
-    _write(path, record)
-    return record, "measured", path
+    def cached() -> Optional[dict]:
+        d = None if recalibrate else _read(path)
+        return d if d is not None and d.get("key") == key else None
+
+    def measured() -> dict:
+        if progress:
+            import sys
+
+            print(f"diffspec: timing drafter {drafter.name} on this machine (a short run at fixed draft lengths; "
+                  f"once, then cached)", file=sys.stderr)
+        record = {"format": FORMAT, "key": key, "drafter": drafter.describe(), **measure()}
+        _write(path, record)
+        return record
+
+    record, read = read_or_fill(path, cached, measured)  # another process calibrating it: waited for, then read
+    return record, "cache" if read else "measured", path

@@ -219,7 +219,8 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
     from .greedy_head import GreedyHead, unscreenable
 
-    head = model.get_output_embeddings()
+    output_embeddings = getattr(model, "get_output_embeddings", None)  # a drafter's body may be any module
+    head = output_embeddings() if callable(output_embeddings) else None
     if unscreenable(head):
         return frozenset(), {}
     screen, shape = GreedyHead.of(head), tuple(head.weight.shape)
@@ -262,19 +263,24 @@ def plan_path(model: torch.nn.Module):
 
 def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     """The plan for this machine and model's shapes: read from the cost cache, or measured (seconds)."""
-    from .output import try_write_cache
+    from .output import read_or_fill, try_write_cache
+
+    def cached() -> Optional[LinearPlan]:
+        try:
+            return LinearPlan.from_json(json.loads(where.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def measured() -> LinearPlan:
+        if not quiet:
+            print("diffspec: timing the matmul formulations for the target's layers on this machine (once; cached)",
+                  file=sys.stderr, flush=True)
+        plan = measure_plan(model)
+        try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
+        return plan
 
     where = plan_path(model)
-    try:
-        return LinearPlan.from_json(json.loads(where.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if not quiet:
-        print("diffspec: timing the matmul formulations for the target's layers on this machine (once; cached)",
-              file=sys.stderr, flush=True)
-    plan = measure_plan(model)
-    try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
-    return plan
+    return read_or_fill(where, cached, measured)[0]  # another process timing the same plan: its plan, once written
 
 
 def install(model: torch.nn.Module, plan: LinearPlan) -> int:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .errors import DiffspecError
+from .output import exclusive
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -66,30 +67,12 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _exclusive(path: Path):
-    """Hold an exclusive lock on `path`.lock: one process at a time fills a cache entry (two test
-    workers, or two servers, starting on an empty cache)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as handle:
-        try:
-            import fcntl
-        except ImportError:  # no fcntl (Windows): unlocked, as before
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _assembled_gguf(entry: BuiltinModel) -> Path:
     """Join a chunked package's GGUF once into the cache (written aside, then renamed: never half a file)."""
     path = cache_root() / "gguf" / entry.filename
     if path.is_file():
         return path
-    with _exclusive(path):
+    with exclusive(path):
         if path.is_file():  # another process joined it while we waited
             return path
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -118,7 +101,7 @@ def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
     out = _gguf_cache_dir(gguf)
     if _converted(out):
         return out
-    with _exclusive(out):
+    with exclusive(out):
         if not _converted(out):  # another process may have converted it while we waited
             _convert(gguf, out, quiet)
     return out
@@ -174,7 +157,7 @@ def gguf_text_side(gguf: Path, quiet: bool = False):
     where = full if _converted(full) else full.with_name(full.name + "-text")
     done = lambda: (where / "config.json").is_file() and (where / "tokenizer_config.json").is_file()  # noqa: E731
     if not done():
-        with _exclusive(where):
+        with exclusive(where):
             if not done():
                 tmp = where.with_name(where.name + f".tmp{os.getpid()}")
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -1,11 +1,16 @@
-"""Writing results: files replaced atomically, and matplotlib when it is installed."""
+"""Writing results: files replaced atomically, cache entries filled by one process at a time, and matplotlib when
+it is installed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Callable, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -23,6 +28,43 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold an exclusive lock on `path`.lock while filling the cache entry `path`: one process at a time does the
+    work (two test workers, or a server and a CLI run, starting on an empty cache; two timings taken at once would
+    each be slowed by the other), the others wait, then read what it wrote. Unlocked where no lock can be taken
+    (no fcntl, a read-only folder)."""
+    path = Path(path)
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(path.name + ".lock"), "w")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def read_or_fill(path: Path, read: Callable[[], Optional[T]], fill: Callable[[], T]) -> Tuple[T, bool]:
+    """A cache entry's value: `read()` where the entry is there (not None), else `fill()` (which measures it and
+    writes it) under `exclusive(path)`, after reading once more: another process may have filled it while this
+    one waited. -> (the value, whether it was read)."""
+    value = read()
+    if value is not None:
+        return value, True
+    with exclusive(path):
+        value = read()
+        if value is not None:
+            return value, True
+        return fill(), False
 
 
 def try_write_cache(path: Path, text: str, what: str) -> bool:

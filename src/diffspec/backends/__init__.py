@@ -186,7 +186,7 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
     cached). Exactness is the loaded target's to answer (`auto_keeps`). `max_context` is accepted
     for the callers' symmetry; the timing does not depend on it."""
     from ..models import gguf_file
-    from ..output import try_write_cache
+    from ..output import read_or_fill, try_write_cache
     from .llama_cpp import available
 
     if not str(device).startswith("cpu") or dtype != torch.float32 or not available() or needs_transformers:
@@ -195,8 +195,8 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
     if path is None:
         return "transformers"
     where = backend_record_path(path)
-    times = read_step_times(where)
-    if times is None:
+
+    def measured() -> dict:
         from ..target import Target
         from .llama_cpp import LlamaCppTarget
 
@@ -214,4 +214,8 @@ def choose_backend(spec: Optional[str], dtype: torch.dtype, device: str, max_con
         if not quiet:
             print("diffspec: one-token step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
                   file=sys.stderr, flush=True)
+        return times
+
+    # another process timing the same file: waited for, then its times read
+    times = read_or_fill(where, lambda: read_step_times(where), measured)[0]
     return "llama.cpp" if times["llama.cpp"] < times["transformers"] else "transformers"

@@ -573,7 +573,7 @@ class LlamaCppTarget(TargetBase):
         import sys
 
         from ..machine_keys import cache_key, cost_dir, machine_key
-        from ..output import try_write_cache
+        from ..output import read_or_fill, try_write_cache
 
         plan = self._probe_plan(PARITY_WIDTHS, PARITY_CONTEXTS)
         if not plan[0] or not plan[1]:
@@ -582,15 +582,17 @@ class LlamaCppTarget(TargetBase):
         key = cache_key("parity", machine_key(torch.device("cpu")), self.fingerprint,
                         getattr(self._lib, "__version__", "?"), plan, *(("hidden", layers) if layers else ()))
         where = cost_dir() / f"parity-{'hidden-' if layers else ''}{key}.json"
-        record = None
-        if not recheck:
+
+        def cached() -> Optional[dict]:
+            if recheck:
+                return None
             try:
                 record = json.loads(where.read_text())
-                if not isinstance(record["exact"], bool):
-                    record = None
+                return record if isinstance(record["exact"], bool) else None
             except (OSError, ValueError, KeyError, TypeError):
-                record = None
-        if record is None:
+                return None
+
+        def probed() -> dict:
             if not self.quiet:
                 what = " (passes that read hidden states)" if layers else ""
                 print(f"diffspec: checking that llama.cpp's verify passes{what} equal its one-token steps on this "
@@ -599,6 +601,9 @@ class LlamaCppTarget(TargetBase):
             record["file"] = str(self.gguf)
             if "why" not in (record["first_mismatch"] or {}):  # a probe that could not run is not an answer to keep
                 try_write_cache(where, json.dumps(record, indent=1), "the parity probe's answer")
+            return record
+
+        record = read_or_fill(where, cached, probed)[0]  # another process probing the same file: waited for, then read
         self._parity[hidden_states] = record
         return record
 
