@@ -265,6 +265,8 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     """The plan for this machine and model's shapes: read from the cost cache, or measured (seconds)."""
     from .output import read_or_fill, try_write_cache
 
+    where = plan_path(model)
+
     def cached() -> Optional[LinearPlan]:
         try:
             return LinearPlan.from_json(json.loads(where.read_text()))
@@ -279,7 +281,6 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
         try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
         return plan
 
-    where = plan_path(model)
     return read_or_fill(where, cached, measured)[0]  # another process timing the same plan: its plan, once written
 
 
