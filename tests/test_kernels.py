@@ -121,14 +121,23 @@ def test_loaders_starting_together_time_the_plan_once(monkeypatch, tmp_path):
     assert len(timed) == 1 and len(plans) == 2 and plans[0] == plans[1]
 
 
-def test_an_entry_whose_lock_cannot_be_taken_is_still_filled(tmp_path):
-    """Where no lock file can be made (here its folder would sit under a file), read_or_fill measures unlocked."""
+def test_an_entry_whose_lock_cannot_be_taken_is_still_filled(tmp_path, monkeypatch):
+    """Where no lock file can be made (here its folder would sit under a file) or the file system refuses locks,
+    read_or_fill measures unlocked."""
+    import fcntl
+
     from diffspec.output import read_or_fill
 
     (tmp_path / "a-file").write_text("")
     where = tmp_path / "a-file" / "entry.json"
     assert read_or_fill(where, lambda: None, lambda: 42) == (42, False)
     assert read_or_fill(where, lambda: 41, lambda: pytest.fail("filled though read")) == (41, True)
+
+    def no_locks(handle, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert read_or_fill(tmp_path / "entry.json", lambda: None, lambda: 43) == (43, False)
 
 
 def test_routed_layers_give_the_same_logits_and_one_row_stays_stock(mm_calls):

@@ -35,22 +35,25 @@ def exclusive(path: Path):
     """Hold an exclusive lock on `path`.lock while filling the cache entry `path`: one process at a time does the
     work (two test workers, or a server and a CLI run, starting on an empty cache; two timings taken at once would
     each be slowed by the other), the others wait, then read what it wrote. Unlocked where no lock can be taken
-    (no fcntl, a read-only folder)."""
+    (no fcntl, a read-only folder, a file system without locks)."""
     path = Path(path)
+    handle = None
     try:
         import fcntl
 
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path.with_name(path.name + ".lock"), "w")
-    except (ImportError, OSError):
-        yield
-        return
-    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
+    except (ImportError, OSError):  # (ENOLCK: some network file systems)
+        if handle is not None:
+            handle.close()
+        handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
             fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
 
 def read_or_fill(path: Path, read: Callable[[], Optional[T]], fill: Callable[[], T]) -> Tuple[T, bool]:
