@@ -209,11 +209,11 @@ def install(model: torch.nn.Module, rows: int = 16) -> int:
     since changed (moved, cast, edited) runs F.linear. Returns how many layers were routed."""
     import types
 
-    from .packed_linear import weight_state
+    from .packed_linear import output_head, weight_state
 
     if available() is not None:
         return 0
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    head = output_head(model)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16
               and m.weight.device.type == "cpu" and m is not head]  # the body's (a vocabulary-wide head: a copy
     #                                                               as large as the embeddings, for a head a drafter

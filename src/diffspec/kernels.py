@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DiffspecError
-from .packed_linear import current_pack, kernel_key, linear_groups, pack_model, packed_linear
+from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear
 from .timing import median_seconds
 
 KERNELS = ("auto", "multi-row", "stock")
@@ -219,8 +219,7 @@ def measure_head_screen(model: torch.nn.Module, mm_rows: Dict[Shape, frozenset],
     rows (a peaked distribution, as a language model's usually is: few candidates to rescore)."""
     from .greedy_head import GreedyHead, unscreenable
 
-    output_embeddings = getattr(model, "get_output_embeddings", None)  # a drafter's body may be any module
-    head = output_embeddings() if callable(output_embeddings) else None
+    head = output_head(model)  # (a drafter's body may be any module)
     if unscreenable(head):
         return frozenset(), {}
     screen, shape = GreedyHead.of(head), tuple(head.weight.shape)

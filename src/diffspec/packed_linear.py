@@ -278,6 +278,12 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Te
     return y + bias if bias is not None else y
 
 
+def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The model's output head, or None for a module that has none to give (a drafter's body may be any module)."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def linear_groups(model: torch.nn.Module) -> dict:
     """{(out, in): [the model's nn.Linear layers of that weight shape]} (kernels.py plans by these groups)."""
     groups: dict = {}
