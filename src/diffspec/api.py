@@ -33,7 +33,7 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     """Build an engine from names: model (None = the offline default), drafter, policy.
     `drafter_dtype`: what the conditioned or block-diffusion drafter computes in ('auto' = measured, see
     drafters/dtype_choice.py). `backend`: auto, transformers or llama.cpp (see backends/__init__.py).
-    `kernels`: auto, multi-row or stock, the transformers backend's matmul choice (kernels.py).
+    `kernels`: auto, multi-row, stock or q8, the transformers backend's matmul choice (kernels.py).
     `compile`: off, on or auto, the transformers backend's compiled passes (compiled.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds

@@ -297,7 +297,9 @@ def add_backend_option(parser) -> None:
                              "bits; measured once, cached); multi-row does so for passes of 2+ rows only (one-row "
                              "steps stay transformers' own, bitwise); both also let a GQA model's attention share its "
                              "key/value heads in the kernel (no cache copy; bitwise the same); stock runs F.linear "
-                             "and transformers' own attention everywhere")
+                             "and transformers' own attention everywhere; q8 computes a GGUF target as llama.cpp does "
+                             "(activations quantized to 8 bits against the GGUF codes in every linear layer, plain "
+                             "decoding too: another arithmetic, faster wide verify passes)")
     from .compiled import COMPILE_MODES
 
     parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),

@@ -23,6 +23,7 @@
 #endif
 #include <string.h>
 #include "packed_linear.c"
+#include "q8_linear.c"
 
 #define MAX_HEAD_DIM 256 /* fused_layers.py takes heads of at most this many dimensions */
 
@@ -72,11 +73,18 @@ INLINE void rms_norm(const float *x, const float *w, int64_t D, float eps, float
     for (int64_t j = 0; j < D; j++) y[j] = w[j] * (x[j] * inv);
 }
 
-/* x @ W^T through the packed kernel: Q4 where offsets are given, else Q8 */
+/* x @ W^T through the packed kernel: Q4 where offsets are given, else Q8; with xq (a buffer of R rows of
+ * q8_linear.c's quantized activations) the weights are in q8_linear.c's layout and x is quantized first */
 INLINE void linear(const float *x, int64_t R, int64_t K, const void *codes, const float *scales,
-                   const float *offsets, int64_t N, float *y, int threads) {
-    if (offsets) diffspec_q4_linear(x, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
-    else diffspec_q8_linear(x, R, K, (const int8_t *)codes, scales, N, y, threads);
+                   const float *offsets, int64_t N, float *y, int threads, uint8_t *xq) {
+    if (xq) {
+        diffspec_q8_quantize(x, R, K, xq, threads);
+        diffspec_q8act_linear(xq, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
+    } else if (offsets) {
+        diffspec_q4_linear(x, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
+    } else {
+        diffspec_q8_linear(x, R, K, (const int8_t *)codes, scales, N, y, threads);
+    }
 }
 
 /* rotary embeddings of one head's row in place: (x * cos) + (rotate_half(x) * sin), rotate_half(x) = [-x2, x1] */
@@ -182,24 +190,33 @@ int64_t diffspec_fused_max_head_dim(void) { return MAX_HEAD_DIM; }
  * h [n, D]: the embeddings in, the last layer's output out (before the final norm). cos, sin [n, hd]: the rotary
  * tables of those positions. Each layer's cache: keys and values [KV, capacity, hd], rows written at start + i.
  * hidden [L, n, D] (or NULL): each layer's output. work: at least fused_work_floats(...) floats. */
+INLINE int64_t xq_floats(int64_t n, int64_t D, int64_t H, int64_t hd, int64_t F) {  /* the quantized rows' buffer */
+    int64_t widest = D > H * hd ? D : H * hd;
+    widest = widest > F ? widest : F;
+    return (n * diffspec_q8_xrow_bytes(widest) + 63) / 4 + 16;
+}
+
 int64_t diffspec_fused_work_floats(int64_t n, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F,
                                    int64_t positions, int threads) {
-    return n * D + n * (H + 2 * KV) * hd + n * H * hd + n * 2 * F + n * F + (int64_t)threads * positions;
+    return n * D + n * (H + 2 * KV) * hd + n * H * hd + n * 2 * F + n * F + (int64_t)threads * positions
+           + xq_floats(n, D, H, hd, F);
 }
 
 void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t start, int64_t D, int64_t H,
                            int64_t KV, int64_t hd, int64_t F, float eps, float scale, const float *cos,
-                           const float *sin, float *h, float *hidden, float *work, int threads) {
+                           const float *sin, float *h, float *hidden, float *work, int threads, int q8) {
     const int64_t QKV = (H + 2 * KV) * hd, group = H / KV, positions = start + n;
     float *xn = work, *qkv = xn + n * D, *att = qkv + n * QKV, *gu = att + n * H * hd, *act = gu + n * 2 * F,
           *scores = act + n * F;
+    /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq (64-byte aligned) */
+    uint8_t *xq = q8 ? (uint8_t *)(((uintptr_t)(scores + (int64_t)threads * positions) + 63) & ~(uintptr_t)63) : NULL;
     for (int64_t l = 0; l < L; l++) {
         const int64_t *t = table + l * LAYER_FIELDS;
         const int64_t cap = t[CAPACITY];
         float *kc = (float *)t[K_CACHE], *vc = (float *)t[V_CACHE];
         for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[IN_NORM], D, eps, xn + i * D);
         linear(xn, n, D, (const void *)t[QKV_CODES], (const float *)t[QKV_SCALES], (const float *)t[QKV_OFFSETS], QKV,
-               qkv, threads);
+               qkv, threads, xq);
         for (int64_t i = 0; i < n; i++) {
             float *row = qkv + i * QKV;
             for (int64_t j = 0; j < H + KV; j++) rotate(row + j * hd, cos + i * hd, sin + i * hd, hd);
@@ -220,11 +237,11 @@ void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t s
                    att + (i * H + j) * hd);
         }
         linear(att, n, H * hd, (const void *)t[O_CODES], (const float *)t[O_SCALES], (const float *)t[O_OFFSETS], D,
-               xn, threads);
+               xn, threads, xq);
         for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
         for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[POST_NORM], D, eps, xn + i * D);
         linear(xn, n, D, (const void *)t[GU_CODES], (const float *)t[GU_SCALES], (const float *)t[GU_OFFSETS], 2 * F,
-               gu, threads);
+               gu, threads, xq);
         for (int64_t i = 0; i < n; i++) {
             const float *gate = gu + i * 2 * F, *up = gate + F;
             float *a = act + i * F;
@@ -235,7 +252,7 @@ void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t s
             }
         }
         linear(act, n, F, (const void *)t[DOWN_CODES], (const float *)t[DOWN_SCALES], (const float *)t[DOWN_OFFSETS],
-               D, xn, threads);
+               D, xn, threads, xq);
         for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
         if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
     }

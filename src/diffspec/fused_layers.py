@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import packed_linear
+from . import packed_linear, q8_linear
 from .cache import PositionalLayer
 from .packed_linear import NATIVE, KernelUnavailable, compile_and_load
 
@@ -44,15 +44,16 @@ MAX_HEAD_DIM = 256
 @functools.lru_cache(maxsize=None)
 def build_library(isa_flags: tuple):
     """fused_layers.c (with the packed kernel) built with `isa_flags` and loaded, or a KernelUnavailable saying why not."""
-    lib = compile_and_load(SOURCE, "fused-layers", isa_flags, includes=(packed_linear.SOURCE,))
+    lib = compile_and_load(SOURCE, "fused-layers", isa_flags, includes=(packed_linear.SOURCE, q8_linear.SOURCE))
     if isinstance(lib, KernelUnavailable):
         return lib
+    q8_linear.declare(lib)
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.diffspec_fused_layer_fields.restype = lib.diffspec_fused_max_head_dim.restype = i64
     lib.diffspec_fused_work_floats.argtypes = [i64] * 7 + [ctypes.c_int]
     lib.diffspec_fused_work_floats.restype = i64
     lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
-                                          ptr, ptr, ctypes.c_int]
+                                          ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.diffspec_fused_layers.restype = None
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
     if (lib.diffspec_fused_layer_fields(), lib.diffspec_fused_max_head_dim()) != (FIELDS, MAX_HEAD_DIM):
@@ -62,10 +63,13 @@ def build_library(isa_flags: tuple):
 
 def kernel_key() -> str:
     """What identifies the fused pass's arithmetic (its source and the kernel's): cost tables and fingerprints."""
-    return hashlib.sha256(SOURCE.read_bytes() + packed_linear.kernel_key().encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + packed_linear.kernel_key().encode()
+                          + q8_linear.SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _addresses(pack) -> tuple:
+    """The codes, scales and offsets the call reads: q8_linear.c's layout where the pack has one (`--kernels q8`)."""
+    pack = pack if pack.q8 is None else pack.q8
     return (pack.codes.data_ptr(), pack.scales.data_ptr(), 0 if pack.offsets is None else pack.offsets.data_ptr())
 
 
@@ -143,7 +147,7 @@ class FusedLayers:
         if cos.shape != (n, D) or sin.shape != (n, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             return None
         packs = self._packs(n)
-        if packs is None:
+        if packs is None or len({p.q8 is None for p in packs}) != 1:  # one arithmetic for every layer of a pass
             return None
         end = start + n
         for c in cache_layers:
@@ -166,7 +170,8 @@ class FusedLayers:
         hidden = torch.empty(len(self.layers), n, self.hidden, dtype=torch.float32) if hidden_states else None
         lib.diffspec_fused_layers(len(self.layers), table.data_ptr(), n, start, self.hidden, H, KV, D, self.ffn,
                                   self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
-                                  0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads)
+                                  0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads,
+                                  int(packs[0].q8 is not None))
         for c in cache_layers:
             c.advance(n)
         return x, hidden

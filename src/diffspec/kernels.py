@@ -37,6 +37,12 @@ The modes (`--kernels`):
 - `multi-row`: the measured plan for passes of 2 rows or more; one-row passes keep F.linear and the
   fp32 logits' argmax, so plain decoding is bitwise transformers' eager forward.
 - `stock`: F.linear everywhere, and greedy choices from the fp32 logits.
+- `q8`: llama.cpp's arithmetic for a GGUF target (q8_linear.py): every linear layer's product, at every row
+  count, reads the GGUF codes with its input rows quantized to 8 bits per block of 32 (exact integer sums,
+  AVX-512 VNNI where the CPU has it). Another target arithmetic, not another kernel for the same one: plain
+  decoding uses it too (speculation stays exact against it), and its greedy output is compared with
+  transformers' `generate` as a match rate, never promised. Refused for a model whose layers are not all
+  GGUF codes. Nothing is timed: the one formulation serves every row count.
 Under `auto` and `multi-row` a GQA model's attention on a CPU also shares its key/value heads inside
 the kernel instead of copying the cache for every pass of 2+ rows (attention.py; bitwise the same
 output). `stock_kernels(model)` runs a block with F.linear everywhere and transformers' own attention
@@ -55,11 +61,12 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import q8_linear
 from .errors import DiffspecError
 from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear
 from .timing import median_seconds
 
-KERNELS = ("auto", "multi-row", "stock")
+KERNELS = ("auto", "multi-row", "stock", "q8")
 #: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T), or the packed kernel, is taken only where it was at least this much faster (noise must not flip a choice)
@@ -85,6 +92,8 @@ class LinearPlan:
     head_rows: frozenset = frozenset()
     #: for each weight shape whose layers are GGUF codes (packed_linear.py), the row buckets that run the packed kernel
     packed_rows: Dict[Shape, frozenset] = field(default_factory=dict)
+    #: `--kernels q8`: every packed layer, at every row count, with 8-bit activations (q8_linear.py)
+    q8: bool = False
 
     def uses_mm(self, shape: Shape, rows: int) -> bool:
         return _in_buckets(self.mm_rows.get(shape), rows)
@@ -107,6 +116,9 @@ class LinearPlan:
         return any(1 in rows for rows in [*self.mm_rows.values(), *self.packed_rows.values()]) or 1 in self.head_rows
 
     def describe(self) -> str:
+        if self.q8:
+            return f"GGUF codes with 8-bit activations (q8_linear.py, {q8_linear.isa()}) for every linear layer, " \
+                   f"at every row count"
         if not any(self.mm_rows.values()) and not self.head_rows and not any(self.packed_rows.values()):
             return "stock"
 
@@ -324,11 +336,32 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
     check_kernels(mode)
     if mode == "stock":
         return LinearPlan()
+    if mode == "q8":
+        return q8_plan(model, quiet=quiet)
     mods = [m for group in linear_groups(model).values() for m in group]
-    if any(not hasattr(m, "packed_weight") or (m.packed_weight is not None and current_pack(m) is None) for m in mods):
-        pack_model(model, quiet=quiet)  # never packed, or packed before its weights changed (a copy, a cast)
+    if any(not hasattr(m, "packed_weight") or (m.packed_weight is not None and current_pack(m) is None)
+           or getattr(m.packed_weight, "q8", None) is not None for m in mods):
+        pack_model(model, quiet=quiet)  # never packed, packed before its weights changed (a copy, a cast), or for q8
     plan = cached_plan(model, quiet=quiet)
     return plan if mode == "auto" else plan.multi_row_only()
+
+
+def q8_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
+    """`--kernels q8`: every linear layer packed with its q8_linear.c layout, at every row count (refused by name
+    where a layer's weight is not GGUF codes or the kernel cannot build here: that layer would compute in float32,
+    and rows would not be computed alike at every width)."""
+    if (why := q8_linear.unavailable()) is not None:
+        raise DiffspecError(f"--kernels q8: the 8-bit activation kernel cannot run here ({why})")
+    missing = q8_linear.pack_model_q8(model, quiet=quiet)
+    if missing:
+        raise DiffspecError(f"--kernels q8 needs a target whose linear layers are all GGUF codes (a model converted "
+                            f"from a GGUF file); these weights are not: {', '.join(missing)}")
+    if not quiet:
+        print(f"diffspec: --kernels q8: every linear layer reads GGUF codes with 8-bit activations "
+              f"({q8_linear.isa()} kernel; llama.cpp's arithmetic, not transformers' float32)", file=sys.stderr,
+              flush=True)
+    every = frozenset(ROW_BUCKETS)
+    return LinearPlan(packed_rows={shape: every for shape in linear_groups(model)}, q8=True)
 
 
 def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
@@ -340,9 +373,12 @@ def _routed_forward(mod: torch.nn.Linear, shape: Shape, plan: LinearPlan):
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows in packed_for and getattr(self, "packed_weight", None) is not None \
+        packed = getattr(self, "packed_weight", None)
+        if packed is not None and (rows in packed_for or packed.q8 is not None) \
                 and x.dtype == torch.float32 and x.device.type == "cpu":  # not a copy cast or moved since
-            return packed_linear(x, self.packed_weight, self.bias)
+            if packed.q8 is not None:  # --kernels q8: the arithmetic itself, at any row count
+                return q8_linear.linear(x, packed, self.bias)
+            return packed_linear(x, packed, self.bias)
         if rows in mm_for:
             return mm_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

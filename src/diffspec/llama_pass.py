@@ -33,6 +33,7 @@ transformers' forward as before.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -44,7 +45,8 @@ from .attention import GQA_SDPA
 from .cache import PositionalLayer
 from .fused_layers import FusedLayers
 from .kernels import ROW_BUCKETS
-from .packed_linear import PackedWeight, _run_kernel, current_pack
+from .packed_linear import PackedWeight, current_pack
+from .q8_linear import run_pack
 
 
 def applies(model: torch.nn.Module) -> bool:
@@ -91,18 +93,34 @@ def cache_applies(cache, num_layers: int) -> bool:
 
 def _stacked(packs) -> Optional[PackedWeight]:
     """One PackedWeight of the given packs' output rows stacked (all of one kind), or None."""
-    if any(p is None for p in packs) or len({p.kind for p in packs}) != 1:
+    if any(p is None for p in packs) or len({p.kind for p in packs}) != 1 \
+            or len({p.q8 is None for p in packs}) != 1:
         return None
     offsets = None if packs[0].offsets is None else torch.cat([p.offsets for p in packs])
-    return PackedWeight(packs[0].kind, torch.cat([p.codes for p in packs]), torch.cat([p.scales for p in packs]),
-                        offsets, ())
+    q8 = None
+    if packs[0].q8 is not None:  # q8_linear.c's layout is per output row too: stacked the same way
+        q8s = [p.q8 for p in packs]
+        q8 = dataclasses.replace(q8s[0], codes=torch.cat([q.codes for q in q8s]),
+                                 scales=torch.cat([q.scales for q in q8s]),
+                                 offsets=None if q8s[0].offsets is None else torch.cat([q.offsets for q in q8s]))
+    stacked = PackedWeight(packs[0].kind, torch.cat([p.codes for p in packs]), torch.cat([p.scales for p in packs]),
+                           offsets, ())
+    if q8 is not None:
+        stacked = dataclasses.replace(stacked, q8=dataclasses.replace(q8, packed=stacked))
+    return stacked
 
 
 def _rows_of(stacked: PackedWeight, start: int, end: int, source: tuple) -> PackedWeight:
     """Output rows [start, end) of a stacked pack, as views (contiguous: whole rows), for the layer whose weight
     `source` describes."""
     offsets = None if stacked.offsets is None else stacked.offsets[start:end]
-    return PackedWeight(stacked.kind, stacked.codes[start:end], stacked.scales[start:end], offsets, source)
+    view = PackedWeight(stacked.kind, stacked.codes[start:end], stacked.scales[start:end], offsets, source)
+    if stacked.q8 is not None:
+        q8 = stacked.q8
+        view = dataclasses.replace(view, q8=dataclasses.replace(
+            q8, codes=q8.codes[start:end], scales=q8.scales[start:end], packed=view,
+            offsets=None if q8.offsets is None else q8.offsets[start:end]))
+    return view
 
 
 class _SameInput:
@@ -154,7 +172,7 @@ class _SameInput:
         """One tensor of all the layers' outputs side by side (one packed call), else a list of each one's."""
         packed = self.packed_for(rows) if x.dtype == torch.float32 and x.is_cpu else None
         if packed is not None:
-            return _run_kernel(x, packed.codes, packed.scales, packed.offsets)
+            return run_pack(x, packed)
         return [m.forward(x) for m in self.mods]
 
     def one(self, x: torch.Tensor, rows: int) -> torch.Tensor:

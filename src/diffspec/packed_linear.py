@@ -52,6 +52,9 @@ class PackedWeight:
     scales: torch.Tensor
     offsets: Optional[torch.Tensor]
     source: tuple = ()
+    #: the same codes laid out for q8_linear.c (a q8_linear.Q8Weight): where set (`--kernels q8`), every product
+    #: with this weight quantizes its activations to 8 bits (llama.cpp's arithmetic; q8_linear.run_pack)
+    q8: Optional[object] = None
 
     @property
     def shape(self):

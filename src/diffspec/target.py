@@ -235,7 +235,8 @@ class Target(TargetBase):
                  fixed_cache: Optional[bool] = None, screen_greedy_head: bool = True):
         """`kernels` (kernels.py): 'stock' (F.linear everywhere), 'auto' (on a CPU, each linear layer takes
         the matmul formulation measured faster on this machine for the pass's row count, one row included)
-        or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own).
+        or 'multi-row' (the same for passes of 2+ rows; one-row passes stay transformers' own), or 'q8'
+        (llama.cpp's arithmetic: 8-bit activations against the GGUF codes in every linear layer; q8_linear.py).
         `compile` (compiled.py): 'off', 'on' (every pass of up to 32 rows, in bucketed widths compiled at
         start) or 'auto' (the one-row pass compiled at start and kept where it measures faster).
         `fixed_cache` (cache.new_fixed_cache): a fixed-capacity cache, whose passes have fixed shapes, so
@@ -251,6 +252,8 @@ class Target(TargetBase):
 
         kern.check_kernels(kernels)
         comp.check_compile(compile)
+        if kernels == "q8" and (compile != "off" or next(model.parameters()).device.type != "cpu"):
+            raise DiffspecError("--kernels q8 runs eager passes on the CPU (leave --compile at off, --device cpu)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -477,6 +480,11 @@ class Target(TargetBase):
                 from .packed_linear import kernel_key
                 self._fingerprint = cache_key(self._fingerprint, "packed", kernel_key(),
                                               self.linear_plan.to_json()["packed_rows"])
+            if self.linear_plan.q8:  # another arithmetic (q8_linear.py), other outputs and costs
+                import hashlib
+                from .q8_linear import SOURCE as q8_source
+                self._fingerprint = cache_key(self._fingerprint, "q8-activations",
+                                              hashlib.sha256(q8_source.read_bytes()).hexdigest()[:16])
             if self.direct_pass is not None:  # the same outputs, other costs
                 self._fingerprint = cache_key(self._fingerprint, "direct-pass")
                 if self.direct_pass.fused is not None:  # other roundings (fused_layers.py), other costs

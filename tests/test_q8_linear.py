@@ -1,0 +1,213 @@
+"""`--kernels q8` (q8_linear.py): GGUF codes against activations quantized to 8 bits per block of 32, llama.cpp's
+arithmetic. The kernel computes exactly the quantized product (to float32 rounding), every build gives the same
+bits, a row's output never depends on the pass's width (fused layers included), speculation stays equal to plain
+decoding under it, and what it cannot serve is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffspec import kernels as K
+from diffspec import llama_pass as LP
+from diffspec import packed_linear as P
+from diffspec import q8_linear as Q
+from diffspec.backends import check_backend_settings
+from diffspec.cache import new_cache
+from diffspec.engine import SpeculativeEngine
+from diffspec.errors import DiffspecError
+from diffspec.policies import make_policy
+from diffspec.target import Target
+
+from conftest import make_model
+from helpers import RandomDrafter, ScriptedDrafter
+from test_fused_layers import packed_target
+from test_llama_pass import same_bits
+from test_packed_linear import ISAS, coded_model, gguf_weight
+
+pytestmark = pytest.mark.skipif(Q.unavailable() is not None or P.unavailable() is not None,
+                                reason=f"q8 kernel: {Q.unavailable() or P.unavailable()}")
+
+BUILDS = {"native": P.NATIVE, **ISAS}
+#: input widths: one pair (32), an odd pair (96: three blocks), groups of 16 blocks with and without pairs after them
+WIDTHS = (32, 96, 512, 544, 576, 1536)
+
+
+def has_avx2() -> bool:
+    return "avx2" in open("/proc/cpuinfo").read()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", WIDTHS)
+def test_it_computes_the_quantized_product_the_same_on_every_build_and_at_every_width(kind, k):
+    w = gguf_weight(kind, 37, k, seed=k)
+    weight = Q.Q8Weight.of(P.pack(w))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[4, :32] = 0.0                                         # a block of zeros: scale 0, no division by it
+    x[5, 7] = 1e4                                           # an outlier: its block's other values round to ~0
+    exact = Q.dequantized_activations(x).double() @ w.double().T   # what 8-bit activations give, in float64
+    outs = {}
+    for name, flags in BUILDS.items():
+        if name == "avx2" and not has_avx2():
+            continue
+        lib = Q.library(flags)
+        assert name == "native" or lib.diffspec_q8_isa().decode() == name
+        outs[name] = Q.q8_linear(x, weight, lib=lib)
+        one_by_one = torch.cat([Q.q8_linear(x[i:i + 1], weight, lib=lib) for i in range(19)])
+        for rows in (2, 3, 8, 9, 16, 19):                   # a row's bits never depend on the pass's width
+            assert same_bits(Q.q8_linear(x[:rows], weight, lib=lib), one_by_one[:rows]), (name, rows)
+    for name, out in outs.items():
+        assert same_bits(out, outs["native"]), name         # the builds agree bitwise
+    scale = exact.abs().max().item()
+    err = (outs["native"].double() - exact).abs().max().item()
+    assert err < 1e-5 * scale                                # float32 rounding of the block sums, no more
+    # and it is the quantized product, not the float32 one: that one is ~100x farther away
+    assert (w.double() @ x.double().T).T.sub(exact).abs().max().item() > 100 * err
+
+
+def test_the_layout_keeps_rows_apart_so_stacked_and_sliced_packs_compute_alike():
+    """llama_pass stacks q/k/v (and gate/up) packs into one and hands each layer views of its rows."""
+    a, b = (P.pack(gguf_weight("q4_1", n, 544, seed=n)) for n in (24, 40))
+    a, b = (P.PackedWeight(p.kind, p.codes, p.scales, p.offsets, p.source, Q.Q8Weight.of(p)) for p in (a, b))
+    stacked = LP._stacked([a, b])
+    x = torch.randn(5, 544, generator=torch.Generator().manual_seed(0))
+    together = Q.run_pack(x, stacked)
+    assert same_bits(together, torch.cat([Q.run_pack(x, a), Q.run_pack(x, b)], 1))
+    assert same_bits(Q.run_pack(x, LP._rows_of(stacked, 24, 64, b.source)), together[:, 24:])
+    mixed = P.PackedWeight(b.kind, b.codes, b.scales, b.offsets, b.source)  # one float32 pack among q8 ones
+    assert LP._stacked([a, mixed]) is None
+
+
+def q8_target(fused: bool = True) -> Target:
+    """A coded tiny model as `--kernels q8` runs it (plan, packs, direct pass, fused or not)."""
+    target = Target(coded_model(), kernels="q8")
+    assert target.linear_plan.q8 and "8-bit activations" in target.runtime()["linear_plan"]
+    if not fused:
+        target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)
+    assert (target.direct_pass.fused is not None) == fused
+    return target
+
+
+@pytest.mark.parametrize("isa", ["native", *sorted(ISAS)])
+def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa):
+    if isa == "avx2" and not has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    target = q8_target()
+    direct = target.direct_pass
+    if isa != "native":
+        direct.fused = LP.FusedLayers(direct.layers, direct.heads, direct.kv_heads, direct.head_dim,
+                                      target.model.config.hidden_size, isa_flags=ISAS[isa])
+    model = target.model
+    ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(2))
+    steps_cache = new_cache(model.config)
+    direct.forward(ids[:40].view(1, 40), steps_cache)
+    steps = [direct.forward(ids[40 + i:41 + i].view(1, 1), steps_cache, output_hidden_states=True) for i in range(24)]
+    for n in (2, 3, 5, 8, 9, 16, 24):
+        cache = new_cache(model.config)
+        direct.forward(ids[:40].view(1, 40), cache)
+        wide = direct.forward(ids[40:40 + n].view(1, n), cache, output_hidden_states=True)
+        assert same_bits(wide.logits[0], torch.cat([s.logits[0] for s in steps[:n]])), n
+        assert same_bits(wide.hidden_states[1][0], torch.cat([s.hidden_states[1][0] for s in steps[:n]]))
+    K.uninstall(model)
+
+
+def test_fused_and_torch_operation_passes_under_q8_agree_and_differ_from_float32():
+    fused, ops, f32 = q8_target(), q8_target(fused=False), packed_target(coded_model())
+    ids = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(5)).view(1, 30)
+    got = fused.direct_pass.forward(ids, new_cache(fused.model.config)).logits
+    want = ops.direct_pass.forward(ids, new_cache(ops.model.config)).logits
+    other = f32.direct_pass.forward(ids, new_cache(f32.model.config)).logits
+    # the same arithmetic up to the norms' and attention's last bits; such a bit can move an activation across a
+    # rounding boundary of its 8-bit code (one code step, which this model's weights, codes times 30, amplify), so
+    # the check is on the rows: at most one of 30 rows off by more than 1e-3, and far closer than float32's
+    diff, far = (got - want).abs(), (other - want).abs()
+    assert (diff.amax(-1) > 1e-3).sum().item() <= 1
+    assert diff.mean().item() < far.mean().item() / 50 and diff.max().item() < far.max().item() / 10
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not torch.equal(other.argmax(-1), want.argmax(-1))  # float32 is another target: its argmax moved here
+    for t in (fused, ops, f32):
+        K.uninstall(t.model)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
+@pytest.mark.parametrize("gamma", [1, 4, 12])
+def test_greedy_speculation_under_q8_equals_plain_decoding_under_q8(fused, gamma):
+    target = q8_target(fused)
+    prompt = list(range(5, 17))
+    plain = SpeculativeEngine(target, None).generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids
+    for drafter in (ScriptedDrafter(prompt + plain), RandomDrafter(96, seed=4)):
+        result = SpeculativeEngine(target, drafter, make_policy("fixed", gamma=gamma)).generate(
+            prompt, max_new_tokens=40, stop_token_ids=[])
+        assert result.token_ids == plain
+    assert result.mean_accepted_length < 2  # the random drafter was rejected too: the check compared something
+    K.uninstall(target.model)
+
+
+def test_sampled_speculation_under_q8_samples_the_q8_targets_distribution():
+    """Seeded chi-square test on the first two sampled tokens of an 8-token vocabulary: their exact joint
+    distribution from the q8 target's own one-row passes, against the engine with a random drafter."""
+    from test_engine_sampling import PROMPT, V, chi_square_pvalue, sample_counts
+    from diffspec import SamplingParams
+    from diffspec.sampling import probs_from_logits
+
+    target = Target(coded_model(vocab=V, scale=1.0, head_scale=0.125), kernels="q8")  # 2^-3: codes still
+    assert target.direct_pass.fused is not None
+    params = SamplingParams(temperature=0.9)
+
+    def next_probs(ids):
+        target.reset()
+        return probs_from_logits(target.forward(torch.tensor(ids)).logits[-1:], params)[0]
+
+    p1 = next_probs(PROMPT)
+    joint = torch.stack([p1[a].double() * next_probs(PROMPT + [a]).double() for a in range(V)]).flatten()
+    joint = (joint / joint.sum()).numpy()
+    assert joint.max() < 0.5  # a spread distribution: a wrong rule would show
+    engine = SpeculativeEngine(target, RandomDrafter(V, seed=3), make_policy("fixed", gamma=2))
+    assert chi_square_pvalue(sample_counts(engine, params, 2500), joint) > 1e-3
+    K.uninstall(target.model)
+
+
+def test_a_q8_target_keys_its_costs_apart_from_float32_over_the_same_packs():
+    q8 = q8_target()
+    f32 = packed_target(coded_model())  # every layer packed at every width too: the same plan but for q8
+    assert f32.linear_plan.packed_rows == q8.linear_plan.packed_rows
+    assert q8.base_fingerprint != f32.base_fingerprint
+    for t in (q8, f32):
+        K.uninstall(t.model)
+
+
+def test_what_q8_cannot_serve_is_refused_by_name():
+    with pytest.raises(DiffspecError, match="not: .*64x64"):  # a float32 model: its layers would not be q8
+        Target(make_model(96, seed=1, hidden=64, dtype=torch.float32), kernels="q8")
+    with pytest.raises(DiffspecError, match="--compile on"):
+        check_backend_settings("transformers", None, torch.float32, "cpu", "q8", "on")
+    with pytest.raises(DiffspecError, match="runs on the CPU"):
+        check_backend_settings("transformers", None, torch.float32, "cuda", "q8", "off")
+    with pytest.raises(DiffspecError, match="--dtype bfloat16"):
+        check_backend_settings("transformers", None, torch.bfloat16, "cpu", "q8", "off")
+    with pytest.raises(DiffspecError, match="applies to the transformers backend"):
+        check_backend_settings("llama.cpp", None, torch.float32, "cpu", "q8", "off")
+
+
+def test_a_model_loaded_for_q8_then_for_float32_computes_in_float32_again():
+    model = coded_model()
+    Target(model, kernels="q8")
+    again = Target(model, kernels="auto")
+    assert not again.linear_plan.q8
+    assert all(getattr(m.packed_weight, "q8", None) is None for g in K.linear_groups(model).values() for m in g)
+    K.uninstall(model)
+
+
+@pytest.mark.slow
+def test_the_real_target_under_q8_decodes_speculatively_as_it_decodes_plainly():
+    from diffspec.api import load_engine
+
+    plain = load_engine(drafter=None, backend="transformers", kernels="q8", quiet=True)
+    fast = load_engine(drafter="auto", policy="fixed", gamma=6, backend="transformers", kernels="q8", quiet=True)
+    assert "8-bit activations" in plain.target.runtime()["linear_plan"]
+    assert "fused_layers.c" in plain.target.runtime()["forward"]
+    for prompt in ("Write a Python function that checks whether a number is prime.", "What is 17 * 23?"):
+        want = plain.generate(prompt, max_new_tokens=64)
+        got = fast.generate(prompt, max_new_tokens=64)
+        assert got.token_ids == want.token_ids
+    assert got.accepted_tokens > 0  # drafts were verified and kept: wide passes ran
