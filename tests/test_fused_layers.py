@@ -90,18 +90,25 @@ def test_a_row_is_bitwise_the_same_in_a_one_row_step_and_in_any_wider_pass(packe
     ids = torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(2))
     with pytest.raises(Exception):  # a batch of two rows: not this pass's shape (never half computed)
         fused.forward(ids[:6].view(2, 3), new_cache(model.config))
-    steps_cache = new_cache(model.config)
-    fused.forward(ids[:40].view(1, 40), steps_cache)
-    steps = [fused.forward(ids[40 + i:41 + i].view(1, 1), steps_cache, output_hidden_states=True) for i in range(24)]
+    assert_wide_passes_equal_one_row_steps(fused, model.config, ids)
+
+
+def assert_wide_passes_equal_one_row_steps(direct, config, ids: torch.Tensor, start: int = 40) -> None:
+    """After a prefill of `start` tokens, passes of 2-24 rows give bitwise what as many one-row steps give: the
+    logits, a layer's output (what a conditioned drafter reads), the last layer's, and the cache's keys."""
+    steps_cache = new_cache(config)
+    direct.forward(ids[:start].view(1, start), steps_cache)
+    steps = [direct.forward(ids[start + i:start + i + 1].view(1, 1), steps_cache, output_hidden_states=True)
+             for i in range(24)]
     for n in (2, 3, 5, 8, 9, 16, 24):
-        cache = new_cache(model.config)
-        fused.forward(ids[:40].view(1, 40), cache)
-        wide = fused.forward(ids[40:40 + n].view(1, n), cache, output_hidden_states=True)
+        cache = new_cache(config)
+        direct.forward(ids[:start].view(1, start), cache)
+        wide = direct.forward(ids[start:start + n].view(1, n), cache, output_hidden_states=True)
         assert same_bits(wide.logits[0], torch.cat([s.logits[0] for s in steps[:n]])), n
-        for layer in (1, len(wide.hidden_states) - 1):  # a layer's output (what a conditioned drafter reads), the last
+        for layer in (1, len(wide.hidden_states) - 1):
             assert same_bits(wide.hidden_states[layer][0], torch.cat([s.hidden_states[layer][0] for s in steps[:n]]))
         for a, b in zip(cache.layers, steps_cache.layers):
-            assert same_bits(a.keys[:, :, :40 + n], b.keys[:, :, :40 + n])
+            assert same_bits(a.keys[:, :, :start + n], b.keys[:, :, :start + n])
 
 
 def test_it_runs_only_the_widths_where_every_layer_runs_packed(packed, monkeypatch):
@@ -197,13 +204,18 @@ def test_greedy_speculation_through_the_fused_layers_equals_plain(fused_target, 
 
 
 def test_sampled_speculation_through_the_fused_layers_samples_the_targets_distribution():
+    target = packed_target(coded_model(vocab=8, scale=1.0, head_scale=0.1))
+    assert_engine_samples_the_targets_distribution(target)
+    K.uninstall(target.model)
+
+
+def assert_engine_samples_the_targets_distribution(target: Target) -> None:
     """Seeded chi-square test on the first two sampled tokens of an 8-token vocabulary: their exact joint
-    distribution from the fused target's own one-row passes, against the engine with a random drafter."""
+    distribution from the target's own one-row passes, against the engine with a random drafter."""
     from test_engine_sampling import PROMPT, V, chi_square_pvalue, sample_counts
     from diffspec import SamplingParams
     from diffspec.sampling import probs_from_logits
 
-    target = packed_target(coded_model(vocab=V, scale=1.0, head_scale=0.1))
     params = SamplingParams(temperature=0.9)
 
     def next_probs(ids):
@@ -211,10 +223,10 @@ def test_sampled_speculation_through_the_fused_layers_samples_the_targets_distri
         return probs_from_logits(target.forward(torch.tensor(ids)).logits[-1:], params)[0]
 
     p1 = next_probs(PROMPT)
+    assert p1.shape == (V,)
     joint = torch.stack([p1[a].double() * next_probs(PROMPT + [a]).double() for a in range(V)]).flatten()
     joint = (joint / joint.sum()).numpy()  # float32 probabilities sum to 1 within ~1e-7; scipy asks 1.5e-8
     assert joint.max() < 0.5  # a spread distribution: a wrong rule would show
     engine = SpeculativeEngine(target, RandomDrafter(V, seed=3), make_policy("fixed", gamma=2))
     counts = sample_counts(engine, params, 2500)
     assert chi_square_pvalue(counts, joint) > 1e-3
-    K.uninstall(target.model)

@@ -82,8 +82,8 @@ def test_with_packed_kernels_one_call_runs_q_k_v_one_gate_up_bitwise(monkeypatch
     plan = every_bucket_packed(model)
     K.install(model, plan)
     attention.install(model)
-    calls, original = [], P._run_kernel
-    monkeypatch.setattr(LP, "_run_kernel", lambda x, codes, *a: calls.append(codes.shape[0]) or original(x, codes, *a))
+    calls, original = [], LP.run_pack
+    monkeypatch.setattr(LP, "run_pack", lambda x, pack: calls.append(pack.codes.shape[0]) or original(x, pack))
     direct = LP.LlamaPass(model, plan, fused=False)  # the torch operations (fused_layers.py: tested on its own)
     direct.forward(torch.tensor([[5, 6, 7]]), new_cache(model.config))
     layers = model.config.num_hidden_layers

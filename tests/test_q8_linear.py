@@ -21,7 +21,8 @@ from diffspec.target import Target
 
 from conftest import make_model
 from helpers import RandomDrafter, ScriptedDrafter
-from test_fused_layers import packed_target
+from test_fused_layers import (assert_engine_samples_the_targets_distribution, assert_wide_passes_equal_one_row_steps,
+                               packed_target)
 from test_llama_pass import same_bits
 from test_packed_linear import ISAS, coded_model, gguf_weight
 
@@ -97,18 +98,34 @@ def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa):
     if isa != "native":
         direct.fused = LP.FusedLayers(direct.layers, direct.heads, direct.kv_heads, direct.head_dim,
                                       target.model.config.hidden_size, isa_flags=ISAS[isa])
-    model = target.model
+        assert direct.fused.isa == isa
     ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(2))
-    steps_cache = new_cache(model.config)
-    direct.forward(ids[:40].view(1, 40), steps_cache)
-    steps = [direct.forward(ids[40 + i:41 + i].view(1, 1), steps_cache, output_hidden_states=True) for i in range(24)]
-    for n in (2, 3, 5, 8, 9, 16, 24):
-        cache = new_cache(model.config)
-        direct.forward(ids[:40].view(1, 40), cache)
-        wide = direct.forward(ids[40:40 + n].view(1, n), cache, output_hidden_states=True)
-        assert same_bits(wide.logits[0], torch.cat([s.logits[0] for s in steps[:n]])), n
-        assert same_bits(wide.hidden_states[1][0], torch.cat([s.hidden_states[1][0] for s in steps[:n]]))
-    K.uninstall(model)
+    assert_wide_passes_equal_one_row_steps(direct, target.model.config, ids)
+    K.uninstall(target.model)
+
+
+def test_a_q8_target_runs_the_fused_call_at_any_width_a_long_prefill_included(monkeypatch):
+    """Under q8 the packed kernel is the arithmetic, not a choice per width: a pass wider than the plan's last
+    bucket (64 rows) runs the fused call too, and its rows equal one-row steps bitwise."""
+    target = q8_target()
+    widths = []
+    original = LP.FusedLayers.run
+
+    def counted(self, h, *args):
+        out = original(self, h, *args)
+        widths.append((h.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(LP.FusedLayers, "run", counted)
+    ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(7))
+    target.reset()
+    wide = target.forward(ids[:80]).logits
+    target.reset()
+    target.forward(ids[:10])
+    steps = torch.cat([target.forward(ids[i:i + 1]).logits for i in range(10, 80)], dim=-2)
+    assert widths[0] == (80, True) and all(ran for _, ran in widths)
+    assert same_bits(wide[..., 10:, :], steps)
+    K.uninstall(target.model)
 
 
 def test_fused_and_torch_operation_passes_under_q8_agree_and_differ_from_float32():
@@ -144,26 +161,9 @@ def test_greedy_speculation_under_q8_equals_plain_decoding_under_q8(fused, gamma
 
 
 def test_sampled_speculation_under_q8_samples_the_q8_targets_distribution():
-    """Seeded chi-square test on the first two sampled tokens of an 8-token vocabulary: their exact joint
-    distribution from the q8 target's own one-row passes, against the engine with a random drafter."""
-    from test_engine_sampling import PROMPT, V, chi_square_pvalue, sample_counts
-    from diffspec import SamplingParams
-    from diffspec.sampling import probs_from_logits
-
-    target = Target(coded_model(vocab=V, scale=1.0, head_scale=0.125), kernels="q8")  # 2^-3: codes still
+    target = Target(coded_model(vocab=8, scale=1.0, head_scale=0.125), kernels="q8")  # 2^-3: the head stays codes
     assert target.direct_pass.fused is not None
-    params = SamplingParams(temperature=0.9)
-
-    def next_probs(ids):
-        target.reset()
-        return probs_from_logits(target.forward(torch.tensor(ids)).logits[-1:], params)[0]
-
-    p1 = next_probs(PROMPT)
-    joint = torch.stack([p1[a].double() * next_probs(PROMPT + [a]).double() for a in range(V)]).flatten()
-    joint = (joint / joint.sum()).numpy()
-    assert joint.max() < 0.5  # a spread distribution: a wrong rule would show
-    engine = SpeculativeEngine(target, RandomDrafter(V, seed=3), make_policy("fixed", gamma=2))
-    assert chi_square_pvalue(sample_counts(engine, params, 2500), joint) > 1e-3
+    assert_engine_samples_the_targets_distribution(target)
     K.uninstall(target.model)
 
 

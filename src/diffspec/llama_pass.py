@@ -138,11 +138,13 @@ class _SameInput:
         # the plan is fixed: the row counts it runs every one of these layers through the packed kernel
         self.rows = frozenset(r for r in range(1, ROW_BUCKETS[-1] + 1)
                               if plan is not None and all(plan.uses_packed(s, r) for s in shapes))
+        # --kernels q8: the packed kernel is the arithmetic itself, at every row count (a long prompt's prefill too)
+        self.every_row = plan is not None and plan.q8
         self.state = (None, None)  # (the layers' packs when last looked at, their stacked pack or None)
 
     def packed_for(self, rows: int) -> Optional[PackedWeight]:
         """The layers' packs as one, where this pass's row count runs every layer through the packed kernel."""
-        if rows not in self.rows:
+        if rows not in self.rows and not self.every_row:
             return None
         packs, stacked = self.state
         for i, mod in enumerate(self.mods):  # (a plain loop: this runs 120 times a step)

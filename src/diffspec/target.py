@@ -291,6 +291,8 @@ class Target(TargetBase):
         self.greedy_head, self.greedy_head_note = None, "not measured faster"
         if kernels == "stock" or self.device.type != "cpu":
             self.greedy_head_note = "stock kernels" if kernels == "stock" else "CPU only"
+        elif self.linear_plan.q8:
+            self.greedy_head_note = "--kernels q8: the head's own 8-bit-activation logits, no bf16 screen"
         elif not self.linear_plan.timings_us.get("greedy_head"):
             self.greedy_head_note = "not timed: it needs a float32 head and native bf16 matmuls"
         if not screen_greedy_head:
