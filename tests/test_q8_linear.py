@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(Q.unavailable() is not None or P.unavailable() i
                                 reason=f"q8 kernel: {Q.unavailable() or P.unavailable()}")
 
 BUILDS = {"native": P.NATIVE, **ISAS}
-#: input widths: one pair (32), an odd pair (96: three blocks), groups of 16 blocks with and without pairs after them
-WIDTHS = (32, 96, 512, 544, 576, 1536)
+#: input widths: one pair (32), an odd pair (96: three blocks), the most pairs (480: 15 blocks, 8 pairs; 992: a group
+#: and 8 pairs), groups of 16 blocks with and without pairs after them
+WIDTHS = (32, 96, 480, 512, 544, 576, 992, 1536)
 
 
 def has_avx2() -> bool:
@@ -46,6 +47,7 @@ def test_it_computes_the_quantized_product_the_same_on_every_build_and_at_every_
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(k)) * 3
     x[4, :32] = 0.0                                         # a block of zeros: scale 0, no division by it
     x[5, 7] = 1e4                                           # an outlier: its block's other values round to ~0
+    x[6, -32:] = 1e-38                                      # so small that 1 / scale overflows: codes 0, no NaN
     exact = Q.dequantized_activations(x).double() @ w.double().T   # what 8-bit activations give, in float64
     outs = {}
     for name, flags in BUILDS.items():
@@ -59,6 +61,8 @@ def test_it_computes_the_quantized_product_the_same_on_every_build_and_at_every_
             assert same_bits(Q.q8_linear(x[:rows], weight, lib=lib), one_by_one[:rows]), (name, rows)
     for name, out in outs.items():
         assert same_bits(out, outs["native"]), name         # the builds agree bitwise
+    assert same_bits(Q.q8_linear(x, weight, threads=3), outs["native"])  # and so do any threads' shares
+    assert torch.isfinite(outs["native"]).all()
     scale = exact.abs().max().item()
     err = (outs["native"].double() - exact).abs().max().item()
     assert err < 1e-5 * scale                                # float32 rounding of the block sums, no more
@@ -79,9 +83,11 @@ def test_the_layout_keeps_rows_apart_so_stacked_and_sliced_packs_compute_alike()
     assert LP._stacked([a, mixed]) is None
 
 
-def q8_target(fused: bool = True) -> Target:
+def q8_target(fused: bool = True, hidden: int = 64) -> Target:
     """A coded tiny model as `--kernels q8` runs it (plan, packs, direct pass, fused or not)."""
-    target = Target(coded_model(), kernels="q8")
+    # hidden 64: codes times 30 stay codes; wider, only a power of two keeps every block exactly codes
+    target = Target(coded_model(hidden=hidden) if hidden == 64 else coded_model(hidden=hidden, scale=32.0,
+                                                                                head_scale=8.0), kernels="q8")
     assert target.linear_plan.q8 and "8-bit activations" in target.runtime()["linear_plan"]
     if not fused:
         target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)
@@ -89,11 +95,14 @@ def q8_target(fused: bool = True) -> Target:
     return target
 
 
+@pytest.mark.parametrize("hidden", [64, 544], ids=["pairs", "groups-and-pairs"])
 @pytest.mark.parametrize("isa", ["native", *sorted(ISAS)])
-def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa):
+def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa, hidden):
+    """hidden 64: every layer's input a pair or two of blocks; 544 (17 blocks; the MLP's 1088, 34): groups of 16
+    blocks and a pair after them, in every product of the fused call."""
     if isa == "avx2" and not has_avx2():
         pytest.skip("this CPU has no AVX2")
-    target = q8_target()
+    target = q8_target(hidden=hidden)
     direct = target.direct_pass
     if isa != "native":
         direct.fused = LP.FusedLayers(direct.layers, direct.heads, direct.kv_heads, direct.head_dim,
@@ -189,12 +198,27 @@ def test_what_q8_cannot_serve_is_refused_by_name():
         check_backend_settings("llama.cpp", None, torch.float32, "cpu", "q8", "off")
 
 
-def test_a_model_loaded_for_q8_then_for_float32_computes_in_float32_again():
+def test_the_fused_calls_work_buffer_holds_the_widest_quantized_row():
+    """A quantized row's bytes do not grow with its width (480 inputs take more than 512): the buffer is sized by
+    the largest of the three inputs' rows, not by the widest input's."""
+    lib = LP.FusedLayers(q8_target().direct_pass.layers, 4, 2, 16, 64).lib
+    n, D, H, KV, hd, F, positions, threads = 5, 480, 4, 2, 120, 512, 100, 2
+    rest = n * D + n * (H + 2 * KV) * hd + n * H * hd + n * 2 * F + n * F + threads * positions
+    assert lib.diffspec_q8_xrow_bytes(480) > lib.diffspec_q8_xrow_bytes(512)
+    room = lib.diffspec_fused_work_floats(n, D, H, KV, hd, F, positions, threads) - rest
+    assert 4 * room >= n * lib.diffspec_q8_xrow_bytes(480) + 63
+
+
+@pytest.mark.parametrize("then", ["auto", "stock"])
+def test_a_model_loaded_for_q8_then_for_float32_computes_in_float32_again(then):
+    ids = torch.tensor([5, 9, 11, 3, 7, 30, 2, 44])
+    fresh = Target(coded_model(), kernels=then).forward(ids).logits
     model = coded_model()
-    Target(model, kernels="q8")
-    again = Target(model, kernels="auto")
+    q8 = Target(model, kernels="q8").forward(ids).logits
+    again = Target(model, kernels=then)
     assert not again.linear_plan.q8
-    assert all(getattr(m.packed_weight, "q8", None) is None for g in K.linear_groups(model).values() for m in g)
+    got = again.forward(ids).logits
+    assert same_bits(got, fresh) and not torch.equal(got, q8)
     K.uninstall(model)
 
 

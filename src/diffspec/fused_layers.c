@@ -191,9 +191,12 @@ int64_t diffspec_fused_max_head_dim(void) { return MAX_HEAD_DIM; }
  * tables of those positions. Each layer's cache: keys and values [KV, capacity, hd], rows written at start + i.
  * hidden [L, n, D] (or NULL): each layer's output. work: at least fused_work_floats(...) floats. */
 INLINE int64_t xq_floats(int64_t n, int64_t D, int64_t H, int64_t hd, int64_t F) {  /* the quantized rows' buffer */
-    int64_t widest = D > H * hd ? D : H * hd;
-    widest = widest > F ? widest : F;
-    return (n * diffspec_q8_xrow_bytes(widest) + 63) / 4 + 16;
+    /* the largest of the three inputs' rows (a row's bytes do not grow with its width: 480 inputs, 15 blocks in 8
+     * pairs, take more than 512, one group) */
+    int64_t row = diffspec_q8_xrow_bytes(D);
+    row = diffspec_q8_xrow_bytes(H * hd) > row ? diffspec_q8_xrow_bytes(H * hd) : row;
+    row = diffspec_q8_xrow_bytes(F) > row ? diffspec_q8_xrow_bytes(F) : row;
+    return (n * row + 63) / 4 + 16;
 }
 
 int64_t diffspec_fused_work_floats(int64_t n, int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F,

@@ -136,7 +136,7 @@ class LinearPlan:
     def to_json(self) -> dict:
         return {"format": FORMAT, "mm_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.mm_rows.items())],
                 "packed_rows": [[n, k, sorted(rows)] for (n, k), rows in sorted(self.packed_rows.items())],
-                "head_rows": sorted(self.head_rows), "timings_us": self.timings_us}
+                "head_rows": sorted(self.head_rows), "timings_us": self.timings_us, "q8": self.q8}
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearPlan":
@@ -147,7 +147,7 @@ class LinearPlan:
         head = frozenset(int(r) for r in d["head_rows"])
         if any(r not in ROW_BUCKETS for rs in [*rows.values(), *packed.values(), head] for r in rs):
             raise ValueError("row bucket out of range")
-        return cls(rows, d.get("timings_us", {}), head, packed)
+        return cls(rows, d.get("timings_us", {}), head, packed, bool(d.get("q8", False)))
 
 
 def _in_buckets(buckets: Optional[frozenset], rows: int) -> bool:
@@ -296,7 +296,9 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
 
 
 def install(model: torch.nn.Module, plan: LinearPlan) -> int:
-    """Route each linear layer's forward through `plan`; returns how many layers may leave F.linear."""
+    """Route each linear layer's forward through `plan` (and only it: a plan installed before on the same model, say
+    q8's, is taken off first); returns how many layers may leave F.linear."""
+    uninstall(model)
     routed = 0
     for shape, mods in linear_groups(model).items():
         if not plan.mm_rows.get(shape) and not plan.packed_rows.get(shape):
@@ -346,12 +348,34 @@ def plan_for_mode(model: torch.nn.Module, mode: str, quiet: bool = False) -> Lin
     return plan if mode == "auto" else plan.multi_row_only()
 
 
+def check_q8_settings(device: str, compile: str, dtype: torch.dtype) -> None:
+    """Refuse, before a model loads, what `--kernels q8` cannot serve: it runs eager float32 passes on the CPU."""
+    if not str(device).startswith("cpu"):
+        raise DiffspecError(f"--kernels q8 runs on the CPU; --device {device} computes in float32 kernels there")
+    if compile != "off":
+        raise DiffspecError(f"--kernels q8 runs eager passes; --compile {compile} has no graph for its kernel "
+                            f"(leave --compile at off)")
+    if dtype != torch.float32:
+        raise DiffspecError(f"--kernels q8 reads a float32 GGUF-converted target; --dtype "
+                            f"{str(dtype).replace('torch.', '')} is not one")
+    check_q8_kernels()
+
+
+def check_q8_kernels() -> None:
+    """Both kernels build here: the packed one (which finds the codes) and the 8-bit one."""
+    from .packed_linear import unavailable
+
+    for name, why in (("the packed GGUF-code kernel", unavailable()), ("the 8-bit activation kernel",
+                                                                       q8_linear.unavailable())):
+        if why is not None:
+            raise DiffspecError(f"--kernels q8: {name} cannot run here ({why})")
+
+
 def q8_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     """`--kernels q8`: every linear layer packed with its q8_linear.c layout, at every row count (refused by name
     where a layer's weight is not GGUF codes or the kernel cannot build here: that layer would compute in float32,
     and rows would not be computed alike at every width)."""
-    if (why := q8_linear.unavailable()) is not None:
-        raise DiffspecError(f"--kernels q8: the 8-bit activation kernel cannot run here ({why})")
+    check_q8_kernels()
     missing = q8_linear.pack_model_q8(model, quiet=quiet)
     if missing:
         raise DiffspecError(f"--kernels q8 needs a target whose linear layers are all GGUF codes (a model converted "

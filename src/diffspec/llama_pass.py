@@ -46,7 +46,7 @@ from .cache import PositionalLayer
 from .fused_layers import FusedLayers
 from .kernels import ROW_BUCKETS
 from .packed_linear import PackedWeight, current_pack
-from .q8_linear import run_pack
+from .q8_linear import Q8Weight, run_pack
 
 
 def applies(model: torch.nn.Module) -> bool:
@@ -97,16 +97,10 @@ def _stacked(packs) -> Optional[PackedWeight]:
             or len({p.q8 is None for p in packs}) != 1:
         return None
     offsets = None if packs[0].offsets is None else torch.cat([p.offsets for p in packs])
-    q8 = None
-    if packs[0].q8 is not None:  # q8_linear.c's layout is per output row too: stacked the same way
-        q8s = [p.q8 for p in packs]
-        q8 = dataclasses.replace(q8s[0], codes=torch.cat([q.codes for q in q8s]),
-                                 scales=torch.cat([q.scales for q in q8s]),
-                                 offsets=None if q8s[0].offsets is None else torch.cat([q.offsets for q in q8s]))
     stacked = PackedWeight(packs[0].kind, torch.cat([p.codes for p in packs]), torch.cat([p.scales for p in packs]),
                            offsets, ())
-    if q8 is not None:
-        stacked = dataclasses.replace(stacked, q8=dataclasses.replace(q8, packed=stacked))
+    if packs[0].q8 is not None:  # q8_linear.c's layout is per output row too: stacked the same way
+        stacked = dataclasses.replace(stacked, q8=Q8Weight.stacked([p.q8 for p in packs], stacked))
     return stacked
 
 
@@ -116,10 +110,7 @@ def _rows_of(stacked: PackedWeight, start: int, end: int, source: tuple) -> Pack
     offsets = None if stacked.offsets is None else stacked.offsets[start:end]
     view = PackedWeight(stacked.kind, stacked.codes[start:end], stacked.scales[start:end], offsets, source)
     if stacked.q8 is not None:
-        q8 = stacked.q8
-        view = dataclasses.replace(view, q8=dataclasses.replace(
-            q8, codes=q8.codes[start:end], scales=q8.scales[start:end], packed=view,
-            offsets=None if q8.offsets is None else q8.offsets[start:end]))
+        view = dataclasses.replace(view, q8=stacked.q8.rows(start, end, view))
     return view
 
 

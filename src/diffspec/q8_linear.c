@@ -3,7 +3,7 @@
  *
  * packed_linear.c decodes every weight into float32 and multiplies in float32, so a wide verify pass is bound by
  * float32 multiply-adds (~70% of the measured peak at 30 rows). Here each row of x is cut in blocks of 32 and
- * quantized per block to signed 8-bit codes, x ~ dx * xq (dx = max|x| / 127, xq = round(x / dx)); each block's
+ * quantized per block to signed 8-bit codes, x ~ dx * xq (dx = max|x| / 127, xq = round(x * (1 / dx))); each block's
  * dot product with a weight block is then an integer sum (AVX-512 VNNI: 64 byte products an instruction):
  *   Q4_1 weight  w = dw * q + m   :  sum_k w_k x_k ~ (dw * dx) * sum_k q_k xq_k  +  m * (dx * sum_k xq_k)
  *   Q8_0 weight  w = dw * q       :  sum_k w_k x_k ~ (dw * dx) * sum_k q_k xq_k
@@ -29,6 +29,7 @@
  *     block; a pair is A's 0-15, B's 0-15, A's 16-31, B's 16-31; then float dx[S], float sx[S] (dx * sum xq),
  *     int32 corr[16 * (G + P)] (128 * the sum of the xq a lane reads: a Q8 weight's + 128 taken back), S as above. */
 
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -41,7 +42,7 @@
 #define QLANES 16
 #define QINLINE static inline __attribute__((always_inline))
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define Q8_ISA "avx512vnni"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q8_ISA "avx2"
@@ -61,7 +62,13 @@ int64_t diffspec_q8_xrow_bytes(int64_t K) {
     return q8_code_bytes(K) + 2 * 4 * q8_scale_count(K) + 4 * 16 * (q8_groups(K) + q8_pairs(K));
 }
 
-/* x [R, K] float32 -> xq [R, xrow_bytes]: each block of 32 to codes round(x / dx) (to nearest, ties to even),
+/* 1 / d, or 0 where d is 0 or so small that 1 / d overflows (a block of values under ~4e-37: its codes are 0) */
+QINLINE float q8_inverse(float d) {
+    const float inv = 1.0f / d;
+    return d > 0.0f && inv <= FLT_MAX ? inv : 0.0f;
+}
+
+/* x [R, K] float32 -> xq [R, xrow_bytes]: each block of 32 to codes round(x * (1 / dx)) (to nearest, ties to even),
  * dx = max|x| / 127 (a block of zeros: dx 0, codes 0): the same values on every build (rows among `threads`). */
 void diffspec_q8_quantize(const float *x, int64_t R, int64_t K, uint8_t *out, int threads) {
     const int64_t nb = K / QBLOCK, G = q8_groups(K), S = q8_scale_count(K), xrow = diffspec_q8_xrow_bytes(K);
@@ -77,11 +84,11 @@ void diffspec_q8_quantize(const float *x, int64_t R, int64_t K, uint8_t *out, in
             const float *xb = x + r * K + b * QBLOCK;
             int8_t q[QBLOCK];
             int32_t total = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
             /* the same operations as the plain C below: max |x|, one division, x * id rounded to nearest even */
             const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            const float d = amax / 127.0f, id = q8_inverse(d);
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
             _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
@@ -97,7 +104,7 @@ void diffspec_q8_quantize(const float *x, int64_t R, int64_t K, uint8_t *out, in
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            const float d = amax / 127.0f, id = q8_inverse(d);
             int32_t qi[QBLOCK];
             for (int j = 0; j < 4; j++)
                 _mm256_storeu_si256((__m256i *)(qi + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id))));
@@ -108,7 +115,7 @@ void diffspec_q8_quantize(const float *x, int64_t R, int64_t K, uint8_t *out, in
 #else
             float amax = 0.0f;
             for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            const float d = amax / 127.0f, id = q8_inverse(d);
             for (int j = 0; j < QBLOCK; j++) {
                 q[j] = (int8_t)nearbyintf(xb[j] * id);
                 total += q[j];
@@ -152,7 +159,7 @@ QINLINE float q8_lane_sum(const float *a) {
 /* the lane of a pair's scale: lanes 0-3 and 8-11 read block A (index 2p), 4-7 and 12-15 block B */
 QINLINE int q8_pair_lane_block(int p, int lane) { return 2 * (p % 8) + ((lane / 4) & 1); }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 typedef __m512 f16v;
 /* One output per x row of the group: weight row (codes wq, scales dw, offsets m or NULL) against G quantized rows. */
 QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *dw, const float *m,

@@ -94,6 +94,18 @@ class Q8Weight:
     def shape(self):
         return self.packed.shape
 
+    @staticmethod
+    def stacked(weights: list, packed: PackedWeight) -> "Q8Weight":
+        """The weights' output rows one after another (the layout is per row), for the stacked pack `packed`."""
+        offsets = None if weights[0].offsets is None else torch.cat([w.offsets for w in weights])
+        return Q8Weight(weights[0].kind, torch.cat([w.codes for w in weights]),
+                        torch.cat([w.scales for w in weights]), offsets, packed)
+
+    def rows(self, start: int, end: int, packed: PackedWeight) -> "Q8Weight":
+        """Output rows [start, end) as views, for the pack `packed` of those rows."""
+        offsets = None if self.offsets is None else self.offsets[start:end]
+        return Q8Weight(self.kind, self.codes[start:end], self.scales[start:end], offsets, packed)
+
     @classmethod
     @torch.no_grad()
     def of(cls, packed: PackedWeight) -> "Q8Weight":
@@ -133,11 +145,12 @@ def quantize(x: torch.Tensor, lib=None, threads: Optional[int] = None) -> torch.
 
 
 def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the kernel multiplies by in place of x [.., K]: each block of 32 rounded to dx * round(x / dx)
-    (dx = max|x| / 127), in torch (the tests' reference)."""
+    """What the kernel multiplies by in place of x [.., K]: each block of 32 rounded to dx * round(x * (1 / dx))
+    (dx = max|x| / 127; codes 0 where 1 / dx is not finite), in torch (the tests' reference)."""
     blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    inv = 1.0 / d
+    inv = torch.where((d > 0) & torch.isfinite(inv), inv, torch.zeros_like(d))
     return (d * torch.round(blocks * inv)).reshape(x.shape)
 
 
@@ -173,18 +186,20 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor] =
 
 
 def pack_model_q8(model: torch.nn.Module, quiet: bool = True) -> list:
-    """packed_linear.pack_model, then each pack also laid out for this kernel (`PackedWeight.q8`; a weight shared by
-    two layers, as a tied head, once). Returns the "N x K" shapes of the layers left unpacked (not GGUF codes)."""
+    """packed_linear.pack_model, then, where every linear layer is packed, each pack also laid out for this kernel
+    (`PackedWeight.q8`; a weight shared by two layers, as a tied head, once). Returns the "N x K" shapes of the
+    layers left unpacked (not GGUF codes; then nothing is laid out)."""
     pack_model(model, quiet=quiet)
+    groups = linear_groups(model)
+    missing = sorted({f"{n}x{k}" for (n, k), mods in groups.items() for mod in mods
+                      if getattr(mod, "packed_weight", None) is None})
+    if missing:
+        return missing
     seen: dict = {}
-    missing = set()
-    for (n, k), mods in linear_groups(model).items():
+    for mods in groups.values():
         for mod in mods:
-            packed = getattr(mod, "packed_weight", None)
-            if packed is None:
-                missing.add(f"{n}x{k}")
-                continue
+            packed = mod.packed_weight
             if id(packed) not in seen:
                 seen[id(packed)] = dataclasses.replace(packed, q8=Q8Weight.of(packed))
             mod.packed_weight = seen[id(packed)]
-    return sorted(missing)
+    return []

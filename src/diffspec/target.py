@@ -252,8 +252,8 @@ class Target(TargetBase):
 
         kern.check_kernels(kernels)
         comp.check_compile(compile)
-        if kernels == "q8" and (compile != "off" or next(model.parameters()).device.type != "cpu"):
-            raise DiffspecError("--kernels q8 runs eager passes on the CPU (leave --compile at off, --device cpu)")
+        if kernels == "q8":
+            kern.check_q8_settings(next(model.parameters()).device.type, compile, next(model.parameters()).dtype)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -280,8 +280,9 @@ class Target(TargetBase):
             self.linear_plan = kern.plan_for_mode(model, kernels, quiet=quiet)
             kern.install(model, self.linear_plan)
             attention.install(model)  # GQA without copying the cache (attention.py)
-        else:
-            attention.uninstall(model)  # transformers' own, whatever ran this model before
+        else:  # F.linear and transformers' own attention, whatever ran this model before (q8's forwards too)
+            kern.uninstall(model)
+            attention.uninstall(model)
         # transformers' arithmetic with fewer calls, for Llama-architecture targets on a CPU (llama_pass.py): eager
         # passes on the position-indexed cache take it (bitwise the same outputs)
         self.direct_pass = None
@@ -318,10 +319,12 @@ class Target(TargetBase):
              max_context: Optional[int] = None, quiet: bool = False, kernels: str = "auto",
              compile: str = "off", fixed_cache: Optional[bool] = None) -> "Target":
         from .compiled import check_compile
-        from .kernels import check_kernels
+        from .kernels import check_kernels, check_q8_settings
 
         check_kernels(kernels)
         check_compile(compile)
+        if kernels == "q8":  # before the weights load
+            check_q8_settings(device, compile, dtype)
         model, tok = load_model_and_tokenizer(spec, dtype=dtype, device=device, quiet=quiet)
         return cls(model, tok, max_context=max_context, name=spec or DEFAULT_MODEL, kernels=kernels, quiet=quiet,
                    compile=compile, fixed_cache=fixed_cache)
@@ -468,6 +471,9 @@ class Target(TargetBase):
             return "transformers"
         if self.direct_pass.fused is None:
             return "direct (llama_pass.py)"
+        if self.linear_plan.q8:
+            from .q8_linear import isa
+            return f"direct (llama_pass.py), layers fused (fused_layers.c; 8-bit activations, {isa()})"
         return f"direct (llama_pass.py), layers fused where packed (fused_layers.c, {self.direct_pass.fused.isa})"
 
     @property

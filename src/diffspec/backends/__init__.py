@@ -55,14 +55,9 @@ def check_backend_settings(backend: str, spec: Optional[str], dtype: torch.dtype
     check_kernels(kernels)
     check_compile(compile)
     if kernels == "q8":
-        if not str(device).startswith("cpu"):
-            raise DiffspecError(f"--kernels q8 runs on the CPU; --device {device} computes in float32 kernels there")
-        if compile != "off":
-            raise DiffspecError(f"--kernels q8 runs eager passes; --compile {compile} has no graph for its kernel "
-                                f"(leave --compile at off)")
-        if dtype != torch.float32:
-            raise DiffspecError(f"--kernels q8 reads a float32 GGUF-converted target; --dtype "
-                                f"{str(dtype).replace('torch.', '')} is not one")
+        from ..kernels import check_q8_settings
+
+        check_q8_settings(device, compile, dtype)
     if backend != "llama.cpp":
         return
     if kernels != "auto":
