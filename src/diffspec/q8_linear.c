@@ -1,5 +1,5 @@
 /* Linear layers over GGUF codes with the activations quantized to 8 bits, as llama.cpp computes them
- * (q8_linear.py; the target option activations="q8").
+ * (q8_linear.py; the target's --kernels q8).
  *
  * packed_linear.c decodes every weight into float32 and multiplies in float32, so a wide verify pass is bound by
  * float32 multiply-adds (~70% of the measured peak at 30 rows). Here each row of x is cut in blocks of 32 and

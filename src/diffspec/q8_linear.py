@@ -1,5 +1,5 @@
-"""Linear layers over GGUF codes with 8-bit activations, llama.cpp's arithmetic (q8_linear.c; the target option
-`activations="q8"`).
+"""Linear layers over GGUF codes with 8-bit activations, llama.cpp's arithmetic (q8_linear.c; the target's
+`--kernels q8`, kernels.q8_plan).
 
 packed_linear.py keeps the float32 model's arithmetic: each weight decoded into float32, multiplied by float32
 activations. That is what makes our plain decoding equal transformers' `generate`, and it is why a wide verify
