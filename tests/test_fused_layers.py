@@ -111,21 +111,27 @@ def assert_wide_passes_equal_one_row_steps(direct, config, ids: torch.Tensor, st
             assert same_bits(a.keys[:, :, :start + n], b.keys[:, :, :start + n])
 
 
+def record_fused_calls(monkeypatch) -> list:
+    """From now on (until monkeypatch undoes it), each FusedLayers.run call appends (its rows, whether it ran)."""
+    calls = []
+    original = FL.FusedLayers.run
+
+    def counted(self, h, *args):
+        out = original(self, h, *args)
+        calls.append((h.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(FL.FusedLayers, "run", counted)
+    return calls
+
+
 def test_it_runs_only_the_widths_where_every_layer_runs_packed(packed, monkeypatch):
     model, _ = packed
     some = K.LinearPlan(packed_rows={shape: frozenset({1, 2, 3}) for shape in K.linear_groups(model)})
     K.install(model, some)
     try:
         fused, ops = passes(model, some)
-        calls = []
-        original = FL.FusedLayers.run
-
-        def counted(self, h, *args):
-            out = original(self, h, *args)
-            calls.append((h.shape[0], out is not None))
-            return out
-
-        monkeypatch.setattr(FL.FusedLayers, "run", counted)
+        calls = record_fused_calls(monkeypatch)
         cache, theirs = new_cache(model.config), new_cache(model.config)
         for n in (5, 1, 3, 4):
             x = torch.arange(3, 3 + n).view(1, n)

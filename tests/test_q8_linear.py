@@ -22,7 +22,7 @@ from diffspec.target import Target
 from conftest import make_model
 from helpers import RandomDrafter, ScriptedDrafter
 from test_fused_layers import (assert_engine_samples_the_targets_distribution, assert_wide_passes_equal_one_row_steps,
-                               packed_target)
+                               packed_target, record_fused_calls)
 from test_llama_pass import same_bits
 from test_packed_linear import ISAS, coded_model, gguf_weight
 
@@ -117,15 +117,7 @@ def test_a_q8_target_runs_the_fused_call_at_any_width_a_long_prefill_included(mo
     """Under q8 the packed kernel is the arithmetic, not a choice per width: a pass wider than the plan's last
     bucket (64 rows) runs the fused call too, and its rows equal one-row steps bitwise."""
     target = q8_target()
-    widths = []
-    original = LP.FusedLayers.run
-
-    def counted(self, h, *args):
-        out = original(self, h, *args)
-        widths.append((h.shape[0], out is not None))
-        return out
-
-    monkeypatch.setattr(LP.FusedLayers, "run", counted)
+    widths = record_fused_calls(monkeypatch)
     ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(7))
     target.reset()
     wide = target.forward(ids[:80]).logits

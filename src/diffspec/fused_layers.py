@@ -64,7 +64,7 @@ def build_library(isa_flags: tuple):
 def kernel_key() -> str:
     """What identifies the fused pass's arithmetic (its source and the kernel's): cost tables and fingerprints."""
     return hashlib.sha256(SOURCE.read_bytes() + packed_linear.kernel_key().encode()
-                          + q8_linear.SOURCE.read_bytes()).hexdigest()[:16]
+                          + q8_linear.kernel_key().encode()).hexdigest()[:16]
 
 
 def _addresses(pack) -> tuple:
@@ -98,6 +98,7 @@ class FusedLayers:
         self._norm_params = [m._parameters for l in self.layers for m in (l.input_norm, l.post_norm)]
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
+        self._q8 = False         # whether the table's packs are q8_linear.c's layout (`--kernels q8`)
 
     def _packs(self, rows: int) -> Optional[list]:
         packs = []
@@ -110,7 +111,8 @@ class FusedLayers:
         return packs
 
     def _table_for(self, packs: list, cache_layers) -> Optional[torch.Tensor]:
-        """The C call's table of addresses (None: a cache buffer the call cannot write). Built again whenever a pack,
+        """The C call's table of addresses (None: a cache buffer the call cannot write, or packs of both arithmetics:
+        one pass runs one, `--kernels q8`'s or float32's; which one is `self._q8`). Built again whenever a pack,
         a norm's weight or a cache buffer is not the very tensor it was built from; all of them are held meanwhile,
         so no address in it can be freed."""
         held = self._held
@@ -118,6 +120,8 @@ class FusedLayers:
                 and all(c._keys is k and c._values is v for c, (k, v) in zip(cache_layers, held[1])) \
                 and all(p["weight"] is w for p, w in zip(self._norm_params, held[2])):
             return self._table
+        if len({p.q8 is None for p in packs}) != 1:
+            return None
         KV, D = self.kv_heads, self.head_dim
         for c in cache_layers:
             shape = (1, KV, c._keys.shape[2], D)
@@ -130,6 +134,7 @@ class FusedLayers:
                          layer.post_norm.weight.data_ptr(), *_addresses(gate_up), *_addresses(down),
                          cache._keys.data_ptr(), cache._values.data_ptr(), cache._keys.shape[2]])
         self._table = torch.tensor(rows, dtype=torch.int64)
+        self._q8 = packs[0].q8 is not None
         self._held = (packs, [(c._keys, c._values) for c in cache_layers], [p["weight"] for p in self._norm_params])
         return self._table
 
@@ -147,7 +152,7 @@ class FusedLayers:
         if cos.shape != (n, D) or sin.shape != (n, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             return None
         packs = self._packs(n)
-        if packs is None or len({p.q8 is None for p in packs}) != 1:  # one arithmetic for every layer of a pass
+        if packs is None:
             return None
         end = start + n
         for c in cache_layers:
@@ -171,7 +176,7 @@ class FusedLayers:
         lib.diffspec_fused_layers(len(self.layers), table.data_ptr(), n, start, self.hidden, H, KV, D, self.ffn,
                                   self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                   0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads,
-                                  int(packs[0].q8 is not None))
+                                  int(self._q8))
         for c in cache_layers:
             c.advance(n)
         return x, hidden

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from . import q8_linear
 from .errors import DiffspecError
 from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear
+from .packed_linear import unavailable as packed_unavailable
 from .timing import median_seconds
 
 KERNELS = ("auto", "multi-row", "stock", "q8")
@@ -363,9 +364,7 @@ def check_q8_settings(device: str, compile: str, dtype: torch.dtype) -> None:
 
 def check_q8_kernels() -> None:
     """Both kernels build here: the packed one (which finds the codes) and the 8-bit one."""
-    from .packed_linear import unavailable
-
-    for name, why in (("the packed GGUF-code kernel", unavailable()), ("the 8-bit activation kernel",
+    for name, why in (("the packed GGUF-code kernel", packed_unavailable()), ("the 8-bit activation kernel",
                                                                        q8_linear.unavailable())):
         if why is not None:
             raise DiffspecError(f"--kernels q8: {name} cannot run here ({why})")
@@ -373,9 +372,8 @@ def check_q8_kernels() -> None:
 
 def q8_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     """`--kernels q8`: every linear layer packed with its q8_linear.c layout, at every row count (refused by name
-    where a layer's weight is not GGUF codes or the kernel cannot build here: that layer would compute in float32,
-    and rows would not be computed alike at every width)."""
-    check_q8_kernels()
+    where a layer's weight is not GGUF codes: that layer would compute in float32, and rows would not be computed
+    alike at every width). The kernels' builds are checked before: check_q8_settings, which Target runs first."""
     missing = q8_linear.pack_model_q8(model, quiet=quiet)
     if missing:
         raise DiffspecError(f"--kernels q8 needs a target whose linear layers are all GGUF codes (a model converted "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,11 @@ from .packed_linear import (BLOCK, NATIVE, KernelUnavailable, PackedWeight, _run
                             linear_groups, pack_model)
 
 SOURCE = Path(__file__).with_name("q8_linear.c")
+
+
+def kernel_key() -> str:
+    """What identifies the 8-bit kernel's arithmetic (its source): cost tables and fingerprints."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)

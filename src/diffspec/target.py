@@ -489,10 +489,8 @@ class Target(TargetBase):
                 self._fingerprint = cache_key(self._fingerprint, "packed", kernel_key(),
                                               self.linear_plan.to_json()["packed_rows"])
             if self.linear_plan.q8:  # another arithmetic (q8_linear.py), other outputs and costs
-                import hashlib
-                from .q8_linear import SOURCE as q8_source
-                self._fingerprint = cache_key(self._fingerprint, "q8-activations",
-                                              hashlib.sha256(q8_source.read_bytes()).hexdigest()[:16])
+                from .q8_linear import kernel_key as q8_key
+                self._fingerprint = cache_key(self._fingerprint, "q8-activations", q8_key())
             if self.direct_pass is not None:  # the same outputs, other costs
                 self._fingerprint = cache_key(self._fingerprint, "direct-pass")
                 if self.direct_pass.fused is not None:  # other roundings (fused_layers.py), other costs
