@@ -263,7 +263,8 @@ def test_batch_size_is_measured(tiny_model, monkeypatch):
     readings = {1: [0.10], 4: [1.0], 8: [0.12], 16: [0.20], 32: [0.9, 0.25], 64: [0.75, 0.7], 128: [1.0]}
     calls = []
 
-    def step_seconds(model, batch, cache_len, steps):
+    def step_seconds(model, batch, cache_len, steps, decode_step):
+        assert decode_step == "model"
         calls.append(batch)
         return readings[batch].pop(0)
     monkeypatch.setattr(store_mod, "decode_step_seconds", step_seconds)

@@ -182,6 +182,10 @@ def _add_make_data_parser(sub, default_model: str) -> None:
     m.add_argument("--max-time", default=None, help="stop after this long: seconds or e.g. 30m, 2h (resumable)")
     m.add_argument("--seed", type=int, default=0, help="order of the prompts and the samples (default 0)")
     m.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    m.add_argument("--decode-step", default=None, choices=["auto", "model", "direct", "graph"],
+                   help="how the batched decode steps run: model (transformers' forward), direct (a Llama step over "
+                        "the batch cache, each key/value head read once), graph (that step as CUDA graphs), "
+                        "auto (default: graph on CUDA where it applies, else model)")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -363,7 +367,7 @@ def _make_data(args) -> int:
 
     generation = {"--max-new-tokens": args.max_new_tokens, "--max-prompt-tokens": args.max_prompt_tokens,
                   "--batch-size": args.batch_size, "--temperatures": args.temperatures, "--max-time": args.max_time,
-                  "--device": None if args.device == "cpu" else args.device}
+                  "--device": None if args.device == "cpu" else args.device, "--decode-step": args.decode_step}
     if args.source == "corpus":
         given = [flag for flag, value in generation.items() if value is not None]
         if given:
@@ -389,6 +393,8 @@ def _make_data(args) -> int:
     if max_time is not None and not max_time > 0:
         raise DiffspecError(f"--max-time must be positive, got '{args.max_time}'")
     check_device_available(args.device)
+    if args.decode_step == "graph" and not str(args.device).startswith("cuda"):
+        raise DiffspecError(f"--decode-step graph replays CUDA graphs: it needs --device cuda, not {args.device}")
     check_store_folder(args.out, settings)
     deadline = None if max_time is None else time.time() + max_time
     convs = load_corpus(args.corpus)
@@ -396,7 +402,8 @@ def _make_data(args) -> int:
     manifest = build_store(args.out, target, convs, max_new_tokens=settings.max_new_tokens,
                            max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.batch_size,
                            temperatures=settings.temperatures, seed=settings.seed, max_prompts=settings.max_prompts,
-                           deadline=deadline, progress=not args.quiet, corpus=args.corpus)
+                           deadline=deadline, progress=not args.quiet, corpus=args.corpus,
+                           decode_step=args.decode_step or "auto")
     shards = manifest["shards"]
     if manifest["prompts_done"] == 0 and manifest["prompts_total"] > 0:
         choice = manifest["settings"].get("batch_choice") or {}

@@ -56,6 +56,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..errors import DiffspecError
+from . import batch_step
 from .data import drop_evaluation_overlap, evaluation_prompts
 
 FORMAT = "diffspec-token-store"
@@ -310,7 +311,7 @@ def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids, pad_id: int,
                    temperature: float = 0.0,
                    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
-                   prefill_tokens: int = 16384, compact_share: float = 0.25) -> list:
+                   prefill_tokens: int = 16384, compact_share: float = 0.25, decode_step: str = "auto") -> list:
     """Answer every prompt in one batch -> responses [[token id]] in prompt order, each cut after its
     first stop token (or `max_new_tokens` long).
 
@@ -319,8 +320,12 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     positions come from the attention mask, so padding changes nothing. A row that stopped is no longer
     counted; once `compact_share` of the rows have stopped they are dropped from the batch. The loop
     ends when every row has stopped. Greedy at temperature 0 (the same tokens as decoding each prompt
-    alone); otherwise sampled with `generator`: one for the batch, or one per prompt, which makes each
-    answer independent of its batch."""
+    alone, up to rounding); otherwise sampled with `generator`: one for the batch, or one per prompt, which
+    makes each answer independent of its batch.
+
+    `decode_step` runs the decode steps (batch_step.py): `model` (the model's forward), `direct` (batch_step's
+    direct step), `graph` (that step replayed as CUDA graphs) or `auto` (`graph` on CUDA where it applies,
+    else `model`). A graph that fails to capture falls back to the model's forward, with a warning."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -328,6 +333,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if isinstance(generator, (list, tuple)) and len(generator) != len(prompts):
         raise DiffspecError(f"generate_batch: {len(generator)} generators for {len(prompts)} prompts")
     device = _model_device(model)
+    kind = batch_step.choose_kind(decode_step, model)
     n, width = len(prompts), max(len(p) for p in prompts)
     stop_ids = frozenset(int(s) for s in stop_ids)
     stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
@@ -350,6 +356,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     cache.row_range = (0, n)
     cache.advance(width)
     logits = torch.cat(logits)
+    stepper = batch_step.new_step(kind, model, cache)
+    if stepper is not None and stepper.graphs:  # each new row count is a new capture: drop rows in halves
+        compact_share = max(compact_share, 0.5)
     rows = list(range(n))                         # prompt index of each live row
     next_pos = positions[:, -1] + 1               # position of the token each row decodes next
     gens = list(generator) if isinstance(generator, (list, tuple)) else generator
@@ -373,11 +382,21 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 gens = [gens[i] for i in keep_list]
             tok, mask, next_pos, done = tok[keep], mask[keep], next_pos[keep], done[keep]
         mask[:, width + step] = 1
-        out = model(input_ids=tok.view(-1, 1), attention_mask=mask[:, : width + step + 1],
-                    position_ids=next_pos.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = None
+        if stepper is not None:
+            try:
+                logits = stepper.step(tok, next_pos, mask)
+            except RuntimeError as error:  # a graph that cannot be captured here: the model's forward instead
+                if not stepper.graphs:
+                    raise
+                batch_step.warn_fallback(error)
+                stepper = None
+        if logits is None:
+            out = model(input_ids=tok.view(-1, 1), attention_mask=mask[:, : width + step + 1],
+                        position_ids=next_pos.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1]
         cache.advance(1)
         next_pos = next_pos + 1
-        logits = out.logits[:, -1]
     return responses
 
 
@@ -398,23 +417,30 @@ class BatchChoice:
 
 
 @torch.inference_mode()
-def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2) -> float:
+def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2, decode_step: str = "model") -> float:
     """Seconds per decode step (one token for each of `batch` rows) with `cache_len` positions in the
-    cache: the best of `steps` (a first one-token pass allocates the cache and warms up). The cache holds
-    zeros; the work is the same."""
+    cache, run by `decode_step` (as generate_batch's): the best of `steps` (a first one-token pass allocates
+    the cache and warms up; a graph is captured by the first timed step). The cache holds zeros; the work is
+    the same."""
     device = _model_device(model)
+    kind = batch_step.choose_kind(decode_step, model)
+    steps = max(steps, 3) if kind == "graph" else steps  # the first timed step captures the graph
     cache = BatchKVCache(model.config, batch, cache_len + steps)
     tok = torch.zeros((batch, 1), dtype=torch.long, device=device)
     model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1).tolist()
     cache.length = cache_len
+    stepper = batch_step.new_step(kind, model, cache)
     mask = torch.ones((batch, cache_len + steps), dtype=torch.long, device=device)
     best = math.inf
     for _ in range(steps):
         pos = torch.full((batch, 1), cache.length, dtype=torch.long, device=device)
         t0 = time.perf_counter()
-        out = model(input_ids=tok, attention_mask=mask[:, : cache.length + 1], position_ids=pos,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        out.logits[:, -1].argmax(-1).tolist()  # waits for the device, as the real loop does
+        if stepper is not None:
+            logits = stepper.step(tok.view(-1), pos.view(-1), mask)
+        else:
+            logits = model(input_ids=tok, attention_mask=mask[:, : cache.length + 1], position_ids=pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits.argmax(-1).tolist()  # waits for the device, as the real loop does
         cache.advance(1)
         best = min(best, time.perf_counter() - t0)
     return best
@@ -422,7 +448,7 @@ def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2) -> fl
 
 def choose_batch_size(model, device=None, cache_len: int = 384, candidates: Optional[Sequence[int]] = None,
                       min_gain: float = 1.1, patience: int = 2, search_at_least: int = 16,
-                      steps: int = 2) -> BatchChoice:
+                      steps: int = 2, decode_step: str = "model") -> BatchChoice:
     """Time decode steps at growing batch sizes (1, 4, 8, ... up to 64 on a CPU, 512 on CUDA) with
     `cache_len` positions in the cache and take the fastest in tokens/s.
 
@@ -440,7 +466,7 @@ def choose_batch_size(model, device=None, cache_len: int = 384, candidates: Opti
 
     def measure(b: int) -> bool:
         try:
-            rates[b] = max(rates.get(b, 0.0), b / decode_step_seconds(model, b, cache_len, steps))
+            rates[b] = max(rates.get(b, 0.0), b / decode_step_seconds(model, b, cache_len, steps, decode_step))
             return True
         except torch.OutOfMemoryError:
             return False
@@ -686,16 +712,16 @@ def _stored_response_keys(out: Path, manifest: dict) -> set:
 def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
                 batch_size: Union[str, int] = "auto", temperatures: Sequence[float] = (0.0,), seed: int = 0,
                 max_prompts: Optional[int] = None, deadline: Optional[float] = None, shard_sequences: int = 1024,
-                progress: bool = True, corpus: Optional[str] = None) -> dict:
+                progress: bool = True, corpus: Optional[str] = None, decode_step: str = "auto") -> dict:
     """Let `target` (a diffspec Target) answer the prompts of `convs` and store the answers in folder
     `out` (see the module docstring) -> the manifest.
 
     Stops after `max_prompts` prompts (all by default) or at `deadline` (a `time.time()` value): a chunk
     is sized to end in time, and one the deadline overtakes is not written. Rerunning on the same
     folder with the same settings continues where it stopped (a larger `max_prompts` extends the
-    store); other settings, another target or other prompts are refused. `batch_size` and
-    `shard_sequences` may differ between runs: they change how, not what, is generated. `corpus` is a
-    label recorded in the manifest."""
+    store); other settings, another target or other prompts are refused. `batch_size`, `shard_sequences`
+    and `decode_step` (generate_batch's) may differ between runs: they change how, not what, is generated.
+    `corpus` is a label recorded in the manifest."""
     settings = StoreSettings(max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                              temperatures=tuple(temperatures), seed=seed, batch_size=batch_size,
                              shard_sequences=shard_sequences, max_prompts=max_prompts, corpus=corpus)
@@ -729,11 +755,14 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
         return manifest
 
     model, device = target.model, _model_device(target.model)
+    kind = batch_step.choose_kind(decode_step, model)
+    manifest["settings"]["decode_step"] = kind
     stop_ids = frozenset(int(s) for s in target.stop_token_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     if batch_size == "auto":
         lens = sorted(len(p) for p in order.prompts[done:])
-        choice = choose_batch_size(model, device, cache_len=lens[len(lens) // 2] + max_new_tokens // 2)
+        choice = choose_batch_size(model, device, cache_len=lens[len(lens) // 2] + max_new_tokens // 2,
+                                   decode_step=kind)
         manifest["settings"]["batch_choice"] = choice.to_dict()
         batch = choice.batch_size
     else:
@@ -758,7 +787,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
                     break
             t0 = time.time()
             answers, generated = _answer_chunk(model, order.prompts, done, n, temps, batch, max_new_tokens, stop_ids,
-                                               pad, seed, device, deadline, bar)
+                                               pad, seed, device, deadline, bar, kind)
             if answers is None:  # overtaken by the deadline: nothing of this chunk is written
                 break
             seconds = time.time() - t0
@@ -821,7 +850,8 @@ def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "target a
 
 
 def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch: int, max_new_tokens: int,
-                  stop_ids, pad: int, seed: int, device, deadline: Optional[float], bar) -> tuple:
+                  stop_ids, pad: int, seed: int, device, deadline: Optional[float], bar,
+                  decode_step: str = "model") -> tuple:
     """Answer prompts[start:start+n] once per temperature -> ({(prompt index, temperature index): response},
     generated tokens), or (None, 0) when the deadline passed before the chunk was done. A batch holds one
     temperature and prompts of similar length (the chunk sorted by length)."""
@@ -835,7 +865,7 @@ def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch:
         temp = temps[items[0][0]]
         gens = [_sample_generator(seed, i, k, device) for k, i in items] if temp > 0 else None
         responses = generate_batch(model, [prompts[i] for _, i in items], max_new_tokens, stop_ids, pad,
-                                   temperature=temp, generator=gens)
+                                   temperature=temp, generator=gens, decode_step=decode_step)
         for (k, i), resp in zip(items, responses):
             answers[(i, k)] = resp
             generated += len(resp)

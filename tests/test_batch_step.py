@@ -1,0 +1,181 @@
+"""make-data's direct decode step (training/batch_step.py): the model's logits, the same greedy answers, and the
+graph protocol (static input buffers, one capture per shape, the fallback) checked on a CPU with an eager stand-in
+for CUDA graphs; the graphs themselves on CUDA only."""
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_model
+
+from diffspec.errors import DiffspecError
+from diffspec.training import batch_step
+from diffspec.training import store as store_mod
+from diffspec.training.store import BatchKVCache, generate_batch
+
+
+def prompts_of(seed: int, n: int, vocab: int, longest: int = 24) -> list:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randrange(1, longest))] for _ in range(n)]
+
+
+def prefilled(model, prompts, capacity):
+    """A left-padded batch prefilled through the model's forward, as generate_batch does -> (cache, mask, next
+    positions, last tokens' logits)."""
+    n, width = len(prompts), max(map(len, prompts))
+    ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, capacity), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p): width] = 1
+    pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    cache = BatchKVCache(model.config, n, capacity)
+    out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=pos, past_key_values=cache, use_cache=True)
+    cache.advance(width)
+    return cache, mask, pos[:, -1] + 1, out.logits[:, -1]
+
+
+def eager_record(run):
+    """CUDA graphs' protocol without CUDA: the output is one buffer, rewritten from the captured inputs by each
+    replay; like a graph, the recorder never sees the caller's tensors, only the buffers `run` closes over."""
+    out = run()
+
+    def replay():
+        out.copy_(run())
+    return replay, out
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_model(len(tokenizer), seed=0)  # float64
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@torch.inference_mode()
+def test_the_direct_step_computes_the_models_logits(model, tokenizer, monkeypatch, graphs):
+    """Three steps on a left-padded batch: the direct step's logits equal the model's forward's (float64), over
+    the exact span and (the graph path, eager stand-in) over positions rounded up to SPAN, unwritten ones masked."""
+    monkeypatch.setattr(batch_step, "record", eager_record)
+    prompts = prompts_of(3, 6, len(tokenizer))
+    cap = max(map(len, prompts)) + 8
+    ref_cache, ref_mask, ref_pos, ref_logits = prefilled(model, prompts, cap)
+    cache, mask, pos, logits = prefilled(model, prompts, cap)
+    step = batch_step.DecodeStep(model, cache, graphs=graphs)
+    for _ in range(3):
+        tok = ref_logits.argmax(-1)
+        width = ref_cache.length
+        ref_mask[:, width] = 1
+        mask[:, width] = 1
+        ref_logits = model(input_ids=tok.view(-1, 1), attention_mask=ref_mask[:, : width + 1],
+                           position_ids=ref_pos.view(-1, 1), past_key_values=ref_cache, use_cache=True).logits[:, -1]
+        logits = step.step(tok, pos, mask)
+        assert torch.allclose(logits, ref_logits, atol=1e-10, rtol=0), (logits - ref_logits).abs().max()
+        for cache_, pos_ in ((ref_cache, ref_pos), (cache, pos)):
+            cache_.advance(1)
+            pos_ += 1
+    for a, b in zip(ref_cache.layers, cache.layers):  # the same keys and values written
+        assert torch.allclose(a.keys[:, :, : cache.length], b.keys[:, :, : cache.length], atol=1e-12, rtol=0)
+        assert torch.allclose(a.values[:, :, : cache.length], b.values[:, :, : cache.length], atol=1e-12, rtol=0)
+    assert step.captured == (1 if graphs else 0)  # one shape: one capture, replayed three times
+
+
+def test_direct_steps_give_the_model_forwards_answers(model, tokenizer):
+    prompts = prompts_of(1, 10, len(tokenizer))
+    want = generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="model")
+    assert min(map(len, want)) < 20 and max(map(len, want)) == 20  # rows stop mid-batch: the batch compacts
+    assert generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="direct") == want
+    assert generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="direct", prefill_tokens=30,
+                          compact_share=0.0) == want
+
+
+def test_graph_steps_capture_once_per_shape_and_give_the_same_answers(model, tokenizer, monkeypatch):
+    """The graph path with the eager stand-in: inputs go through the captured buffers (a replay that read the
+    caller's tensors, or reused a stale buffer, would answer otherwise), rows dropped as they stop (a new row
+    count: a new capture), and spans crossing SPAN (another capture)."""
+    monkeypatch.setattr(batch_step, "record", eager_record)
+    monkeypatch.setattr(batch_step, "SPAN", 8)
+    real_choose = batch_step.choose_kind
+    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    made = []
+    real_init = batch_step.DecodeStep.__init__
+
+    def remembered(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(batch_step.DecodeStep, "__init__", remembered)
+    prompts = prompts_of(1, 10, len(tokenizer))
+    want = generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="model")
+    got = generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="graph", compact_share=0.0)
+    assert got == want
+    (step,) = made
+    assert step.graphs and 2 < step.captured < 19, step.captured  # fewer captures than steps, more than one
+    # sampling: the same tokens from the same generators
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(len(prompts))]  # noqa: E731
+    assert (generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), decode_step="graph")
+            == generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), decode_step="model"))
+
+
+def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(model, tokenizer, monkeypatch, capsys):
+    def broken(run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(batch_step, "record", broken)
+    monkeypatch.setattr(batch_step, "_graph_failed", [])
+    real_choose = batch_step.choose_kind
+    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    prompts = prompts_of(2, 5, len(tokenizer))
+    assert (generate_batch(model, prompts, 10, {2}, 0, decode_step="graph")
+            == generate_batch(model, prompts, 10, {2}, 0, decode_step="model"))
+    assert "CUDA-graph decode step failed (RuntimeError: operation not permitted" in capsys.readouterr().err
+    assert batch_step._graph_failed  # `auto` asks for graphs no more in this process
+
+
+def test_kinds_that_cannot_run_are_refused_by_name(model, tokenizer):
+    assert batch_step.choose_kind("auto", model) == "model"  # a CPU model: transformers' forward
+    with pytest.raises(DiffspecError, match="needs a CUDA model"):
+        batch_step.choose_kind("graph", model)
+    with pytest.raises(DiffspecError, match="must be one of"):
+        batch_step.choose_kind("fast", model)
+    biased = make_model(len(tokenizer), seed=0)
+    biased.config.attention_bias = True
+    with pytest.raises(DiffspecError, match="needs a Llama-architecture model"):
+        batch_step.choose_kind("direct", biased)
+    assert not batch_step.applies(biased) and batch_step.applies(model)
+    with pytest.raises(DiffspecError, match="needs a Llama-architecture model"):
+        generate_batch(biased, [[5, 6]], 3, {2}, 0, decode_step="direct")
+
+
+def test_the_batch_probe_times_the_step_generation_runs(model, monkeypatch):
+    calls = []
+    real = batch_step.DecodeStep.step
+
+    def counted(self, *args):
+        calls.append(self)
+        return real(self, *args)
+    monkeypatch.setattr(batch_step.DecodeStep, "step", counted)
+    assert store_mod.decode_step_seconds(model, 4, 16, steps=2, decode_step="direct") > 0
+    assert len(calls) == 2
+    assert store_mod.decode_step_seconds(model, 4, 16, steps=2, decode_step="model") > 0
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--decode-step", "graph"], "--decode-step graph replays CUDA graphs: it needs --device cuda"),
+    (["--source", "corpus", "--decode-step", "model"], "--decode-step set"),
+])
+def test_make_data_refuses_a_decode_step_that_cannot_run_before_loading(tmp_path, args, message):
+    r = subprocess.run([sys.executable, "-m", "diffspec", "make-data", "--out", str(tmp_path / "s"), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run by the GPU scripts on a lent GPU")
+def test_cuda_graph_steps_give_the_model_forwards_answers(tokenizer):
+    model = make_model(len(tokenizer), seed=0).cuda()
+    prompts = prompts_of(1, 10, len(tokenizer))
+    want = generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="model")
+    assert generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="graph") == want
+    assert generate_batch(model, prompts, 20, {2, 7}, 0) == want  # auto: graphs on CUDA
+    assert not batch_step._graph_failed
