@@ -7,7 +7,8 @@
 #      of SmolLM2-135M's shape, batches 64 and 512 (benchmarks/gpu_make_data_profile.py, ~1 min);
 #   A2. the target's pass latency, eager against CUDA graphs, at k = 0 and 15 (issue 19: <= 5 ms a pass; the
 #      math-attention fix of the last lease measured on the real target; ~1.5 min with two compiles);
-#   B. target-generated data (make-data, graphs under `auto`), DATA_S;
+#   B. target-generated data (make-data, graphs under `auto`), DATA_S, from the first PROMPTS prompts of the seeded
+#      order (12,000 user turns, ~20 s of rendering on the host, ~2x what 130 s answer at 50k tokens/s);
 #   C. the conditioned drafter continued from the shipped one at block 16 (it starts where the CPU left it,
 #      tau ~1.4, where a drafter from scratch started at ~1.0 last lease), TRAIN_S, with its health check;
 #      the CUDA tests beside it (correctness only);
@@ -28,12 +29,13 @@
 # Budget: start ~1-2 min, the three carrying calls ~1.5, the job 8, collect 0.5: ~12 of the 15 minutes.
 # Dry run on a CPU (the whole job with tiny budgets; checks every command before a lease spends minutes on a typo):
 #   bash scripts/gpu_one_lease_run.sh prepare
-#   G=/tmp/g DEVICE=cpu JOB_S=3600 DATA_S=60 TRAIN_S=60 EVAL_N=1 EVAL_T=32 LAT_KS=0 BENCH_MIN_S=100000 \
-#       PROFILE_ARGS="--layers 2 --batches 4" bash scripts/gpu_one_lease_run.sh dry-run
+#   G=/tmp/g DEVICE=cpu JOB_S=3600 PROMPTS=48 DATA_S=120 TRAIN_S=60 EVAL_N=1 EVAL_T=32 LAT_KS=0 LAT_S=900 \
+#       BENCH_MIN_S=100000 PROFILE_ARGS="--layers 2 --batches 4" bash scripts/gpu_one_lease_run.sh dry-run
 # The 30-minute version of this job ran once, on an H200 (2026-11-26, commit 225c29d plus the two fixes it
 # found): 19 minutes of job, 27 of the 30 device minutes with the start and three diagnostic runs. Records:
 # benchmarks/results/issue19_engine/gpu_h200/ and issue16_training/gpu_h200/.
-# Budgets (seconds): JOB_S, DATA_S, TRAIN_S, BENCH_MIN_S; LAT_KS the pass widths - 1; EVAL_N, EVAL_T the health check.
+# Budgets (seconds): JOB_S, DATA_S, TRAIN_S, BENCH_MIN_S, LAT_S; LAT_KS the pass widths - 1; EVAL_N, EVAL_T the
+# health check; PROFILE_STEPS training steps profiled (train-drafter --profile-steps: where a step's time goes).
 set -u
 G=${G:-/root/g}
 DEVICE=${DEVICE:-cuda}
@@ -67,13 +69,14 @@ start)
         --variants eager fixed --out $G/out/pass_latency.json > $G/out/pass_latency.txt 2>&1 || fail pass-latency
     step B-make-data
     python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device $DEVICE --max-new-tokens 256 \
-        --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts 40000 --max-time ${DATA_S:-110} \
+        --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-12000} --max-time ${DATA_S:-130} \
         > $G/out/data.txt 2>&1 || fail make-data
     step C-train
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py tests/test_batch_step.py -k cuda \
         > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests &
     python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --init-drafter shipped \
         --device $DEVICE --block-size 16 --anchors 512 --batch-sequences 8 --max-time ${TRAIN_S:-150} \
+        --profile-steps ${PROFILE_STEPS:-3} \
         --eval-prompts ${EVAL_N:-8} --eval-tokens ${EVAL_T:-160} > $G/out/cond.txt 2>&1 || fail train-conditioned
     wait
     bash $PWD/scripts/gpu_one_lease_run.sh pack

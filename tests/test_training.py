@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, make_tokenizer, reference_greedy
 from diffspec import FixedPolicy, SpeculativeEngine, Target
 from diffspec.checkpoint import load_drafter
+from diffspec.errors import DiffspecError
 from diffspec.training.data import drop_evaluation_overlap, iter_json_array, load_corpus
 from diffspec.training.run import TrainRequest, train_drafter
 
@@ -512,3 +513,34 @@ def test_resume_compares_the_runs_shape_not_how_it_was_asked(tmp_path, tiny_mode
     assert record["steps"] == 5
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert ckpt["same_run"]["layers"] == 2 and ckpt["same_run"]["draft_vocab"] == 8192
+
+
+def test_profile_steps_splits_steps_by_phase_and_leaves_the_losses_alone(tmp_path, tiny_model_dir, store):
+    """--profile-steps: a lent GPU's run brings back where a step goes (the trainer missed its 10x there and the
+    lease had no time left to profile it): a table with the loop's four phases and the operators under them."""
+    from diffspec.training.step_profile import PHASES
+    train_drafter(request(tmp_path / "plain", tiny_model_dir, store, steps=8, layers=1, init_from_target=False))
+    train_drafter(request(tmp_path / "profiled", tiny_model_dir, store, steps=8, layers=1, init_from_target=False,
+                          profile_steps=2))
+    assert losses(tmp_path / "profiled") == losses(tmp_path / "plain")
+    table = (tmp_path / "profiled" / "profile_steps.txt").read_text()
+    assert "steps 4..5" in table and all(p[:40] in table for p in PHASES), table[:2000]
+    summary = table.split("== by")[0]
+    per_phase = {p: float(line.split()[-1]) for p in PHASES for line in summary.splitlines()
+                 if line.strip().startswith(p[len("diffspec: "):])}
+    assert set(per_phase) == set(PHASES) and all(ms > 0 for ms in per_phase.values()), summary
+    assert "aten::mm" in table or "aten::addmm" in table or "aten::bmm" in table
+    assert not (tmp_path / "plain" / "profile_steps.txt").exists()
+    with pytest.raises(DiffspecError, match="--profile-steps must be 0 or more"):
+        train_drafter(request(tmp_path / "bad", tiny_model_dir, store, steps=2, profile_steps=-1))
+
+
+def test_a_run_shorter_than_its_profile_writes_the_steps_it_profiled(tmp_path, tiny_model_dir, store):
+    train_drafter(request(tmp_path / "a", tiny_model_dir, store, steps=3, layers=1, init_from_target=False,
+                          profile_steps=4))
+    assert (tmp_path / "a" / "drafter" / "model.safetensors").is_file()
+    assert not (tmp_path / "a" / "profile_steps.txt").exists()  # it ended in the warm-up: nothing profiled
+    train_drafter(request(tmp_path / "b", tiny_model_dir, store, steps=5, layers=1, init_from_target=False,
+                          profile_steps=4))
+    assert "steps 4..5 (after 2 steps and a warm-up step; the run ended first)" in (
+        tmp_path / "b" / "profile_steps.txt").read_text()

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-anchors", type=int, default=32,
                    help="health check: evenly spaced anchors per answer (default 32)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    t.add_argument("--profile-steps", type=int, default=0,
+                   help="profile N training steps after the first three (torch's profiler, by phase and by operator; "
+                        "DIR/profile_steps.txt)")
     _add_bench_parser(sub, DEFAULT_MODEL)
     _add_serve_parser(sub, DEFAULT_MODEL, DEFAULT_DRAFTER, DEFAULT_POLICY, DRAFTER_NAMES)
     _add_export_parser(sub, DEFAULT_MODEL)
@@ -346,7 +349,7 @@ def _train(args) -> int:
                        fc_init=args.fc_init,
                        held_out=args.held_out,
                        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, eval_anchors=args.eval_anchors,
-                       data_fraction=args.data_fraction)
+                       data_fraction=args.data_fraction, profile_steps=args.profile_steps)
     record = train_drafter(req)
     if record is not None:  # rank 0 of a data-parallel run (or the only process)
         health = record.get("health") or record.get("held_out") or {}

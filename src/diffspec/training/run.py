@@ -40,6 +40,7 @@ from .block import BlockDiffusionLoss, make_block_body, noise_batch
 from .conditioned import (FC_INITS, choose_draft_vocab, draft_vocab_coverage, init_from_target, lr_at,
                           pass_lowest_layer_through, response_token_counts)
 from .distributed import World, all_max, all_sum, barrier, join_world, leave_world, wrap
+from .step_profile import StepProfile
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class TrainRequest:
     eval_prompts: int = 10              # health check: prompts per evaluation set (0: skip)
     eval_tokens: int = 128              # health check: tokens the target answers per prompt
     eval_anchors: Optional[int] = 32    # health check: evenly spaced anchors per answer (None: every position)
+    profile_steps: int = 0              # profile this many training steps (step_profile.py: OUT/profile_steps.txt)
     quiet: bool = False
 
 
@@ -133,6 +135,8 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError("need --held-out >= 0, --eval-prompts >= 0 and --eval-tokens >= 2")
     if req.eval_anchors is not None and req.eval_anchors < 1:
         raise DiffspecError(f"--eval-anchors must be positive, got {req.eval_anchors}")
+    if req.profile_steps < 0:
+        raise DiffspecError(f"--profile-steps must be 0 or more, got {req.profile_steps}")
     if not 0 < req.data_fraction <= 1:
         raise DiffspecError(f"--data-fraction must be in (0, 1], got {req.data_fraction}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -511,6 +515,7 @@ def _train(req: TrainRequest, world: World) -> dict:
     last_ckpt = time.time()
     model.train()
     done = progress()
+    prof = StepProfile(req.profile_steps if world.main else 0, world.device, out)
     while done < 1.0:
         if batches_epoch != state["epoch"]:
             batches = [b for b in epoch_batches(lengths, req.batch_sequences, req.seed, state["epoch"]) if len(b) >= world.size]
@@ -519,15 +524,19 @@ def _train(req: TrainRequest, world: World) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         mine = rank_share(batches[state["batch_in_epoch"]], world.rank, world.size)
-        batch = pad_batch([train[i] for i in mine], mine, pad).to(world.device)
+        with prof.phase(0):
+            batch = pad_batch([train[i] for i in mine], mine, pad).to(world.device)
+            inputs = trainer.inputs(batch, state["epoch"])
         opt.zero_grad(set_to_none=True)
-        inputs = trainer.inputs(batch, state["epoch"])
-        with torch.autocast(torch.device(world.device).type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+        with prof.phase(1), torch.autocast(torch.device(world.device).type, dtype=amp_dtype,
+                                           enabled=amp_dtype != torch.float32):
             ce, weight, slots, correct, count = _parts(module(*inputs))
-        total_weight = all_sum(weight.float(), world).clamp(min=1e-9)
-        (ce * world.size / total_weight).backward()  # DDP averages over ranks: the sum of the ranks' parts
-        torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
-        opt.step()
+        with prof.phase(2):
+            total_weight = all_sum(weight.float(), world).clamp(min=1e-9)
+            (ce * world.size / total_weight).backward()  # DDP averages over ranks: the sum of the ranks' parts
+        with prof.phase(3):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
+            opt.step()
         sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
         state["step"] += 1
         state["tokens"] += int(sums[1])
@@ -546,7 +555,9 @@ def _train(req: TrainRequest, world: World) -> dict:
         if time.time() - last_ckpt > req.checkpoint_every_s:
             checkpoint()
             last_ckpt = time.time()
+        prof.step()
         done = progress()
+    prof.stop()
     bar.close()
     checkpoint()
     model.eval()
