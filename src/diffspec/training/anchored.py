@@ -66,34 +66,48 @@ def anchored_attention(attn, x: torch.Tensor, positions: torch.Tensor, ctx: torc
                        block_size: int) -> torch.Tensor:
     """attn: a drafters.conditioned.Attention. x [M*B, h] packed block states at positions [M, B];
     ctx [N, C, h] projected target features of positions 0..C-1. Each block sees its sequence's context
-    positions < its anchor and its own block. -> [M*B, h]."""
+    positions < its anchor and its own block. -> [M*B, h].
+
+    The context part's scores [N, kv heads, group * A * B, C] are the one large tensor of a step; they stay in
+    the padded layout from the matmul that makes them to the one that reads them (masked in place, shifted by
+    the row's max, exponentiated in place), and only their row sums and the product with the values, d wide,
+    go to the packed layout. The query heads sharing a key/value head are one matmul's rows (keys and values
+    are never repeated per query head). The two parts share one softmax: exp(s - m) / z with m the row's
+    max over both parts and z the sum over both. Rows of empty anchor slots see position 0 (finite, never
+    read)."""
     cfg = attn.cfg
     B, M, N, A, C = block_size, layout.anchor.shape[0], layout.rows, layout.width, ctx.shape[1]
     H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     rep = H // KV
-    q = rotary(attn.q_norm(_heads(attn.q_proj(x).view(M, B, -1), H, d)), positions, cfg.rope_theta)
-    k_b = rotary(attn.k_norm(_heads(attn.k_proj(x).view(M, B, -1), KV, d)), positions, cfg.rope_theta)
-    v_b = _heads(attn.v_proj(x).view(M, B, -1), KV, d)
-    ctx_pos = torch.arange(C, device=x.device).expand(N, C)
-    k_c = rotary(attn.k_norm(_heads(attn.k_proj(ctx), KV, d)), ctx_pos, cfg.rope_theta).repeat_interleave(rep, 1)
-    v_c = _heads(attn.v_proj(ctx), KV, d).repeat_interleave(rep, 1)                   # [N, H, C, d]
-    k_b, v_b = k_b.repeat_interleave(rep, 1), v_b.repeat_interleave(rep, 1)           # [M, H, B, d]
     scale = 1.0 / math.sqrt(d)
-    q_pad = q.new_zeros(N, A, H, B, d)
-    q_pad[layout.seq, layout.slot] = q
-    s_ctx = q_pad.permute(0, 2, 1, 3, 4).reshape(N, H, A * B, d) @ k_c.transpose(-1, -2)   # [N, H, A*B, C]
-    s_ctx = s_ctx.view(N, H, A, B, C).permute(0, 2, 1, 3, 4)[layout.seq, layout.slot] * scale   # [M, H, B, C]
-    sees = torch.arange(C, device=x.device)[None, :] < layout.anchor[:, None]             # strictly before
-    s_ctx = s_ctx.masked_fill(~sees[:, None, None, :], float("-inf"))
-    s_blk = (q @ k_b.transpose(-1, -2)) * scale                                           # [M, H, B, B]
-    soft_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    p = torch.softmax(torch.cat([s_ctx, s_blk], -1), -1, dtype=soft_dtype).to(v_c.dtype)
-    p_pad = p.new_zeros(N, A, H, B, C)
-    p_pad[layout.seq, layout.slot] = p[..., :C]
-    o_ctx = p_pad.permute(0, 2, 1, 3, 4).reshape(N, H, A * B, C) @ v_c                  # [N, H, A*B, d]
-    o_ctx = o_ctx.view(N, H, A, B, d).permute(0, 2, 1, 3, 4)[layout.seq, layout.slot]    # [M, H, B, d]
-    out = o_ctx + p[..., C:] @ v_b
-    return attn.o_proj(out.transpose(1, 2).reshape(M * B, H * d))
+    q = rotary(attn.q_norm(_heads(attn.q_proj(x).view(M, B, -1), H, d)), positions, cfg.rope_theta) * scale
+    k_b = rotary(attn.k_norm(_heads(attn.k_proj(x).view(M, B, -1), KV, d)), positions, cfg.rope_theta)
+    v_b = _heads(attn.v_proj(x).view(M, B, -1), KV, d)                                  # [M, KV, B, d]
+    ctx_pos = torch.arange(C, device=x.device).expand(N, C)
+    k_c = rotary(attn.k_norm(_heads(attn.k_proj(ctx), KV, d)), ctx_pos, cfg.rope_theta)   # [N, KV, C, d]
+    v_c = _heads(attn.v_proj(ctx), KV, d)
+    q = q.view(M, KV, rep, B, d)                          # head h = g * rep + r reads key/value head g
+    soft = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    # block part, packed: [M, KV, rep * B, B]
+    s_blk = (q.reshape(M, KV, rep * B, d) @ k_b.transpose(-1, -2)).view(M, KV, rep, B, B).to(soft)
+    # context part, padded: [N, KV, rep, A, B, C]
+    q_pad = q.new_zeros(N, KV, rep, A, B, d)
+    q_pad[layout.seq, :, :, layout.slot] = q
+    s_ctx = (q_pad.view(N, KV, rep * A * B, d) @ k_c.transpose(-1, -2)).view(N, KV, rep, A, B, C)
+    anchor_pad = torch.ones(N, A, dtype=layout.anchor.dtype, device=x.device)
+    anchor_pad[layout.seq, layout.slot] = layout.anchor
+    hidden = torch.arange(C, device=x.device) >= anchor_pad[..., None]                  # [N, A, C]: not before a
+    s_ctx.masked_fill_(hidden[:, None, None, :, None, :], float("-inf"))               # (matmul saves its inputs)
+    with torch.no_grad():  # the shift cancels in exp(s - m) / z: no gradient through it
+        top = s_ctx.amax(-1).to(soft)                                                   # [N, KV, rep, A, B]
+        top[layout.seq, :, :, layout.slot] = torch.maximum(top[layout.seq, :, :, layout.slot], s_blk.amax(-1))
+    e_ctx = s_ctx.to(soft).sub_(top[..., None]).exp_()                                  # in place: one tensor
+    e_blk = (s_blk - top[layout.seq, :, :, layout.slot][..., None]).exp_()              # [M, KV, rep, B, B]
+    z = e_ctx.sum(-1)[layout.seq, :, :, layout.slot] + e_blk.sum(-1)                  # [M, KV, rep, B]
+    o_ctx = (e_ctx.to(v_c.dtype).view(N, KV, rep * A * B, C) @ v_c).view(N, KV, rep, A, B, d)
+    o = o_ctx[layout.seq, :, :, layout.slot].to(soft) + (e_blk.to(v_b.dtype) @ v_b[:, :, None]).to(soft)
+    out = (o / z[..., None]).to(x.dtype)                                                # [M, KV, rep, B, d]
+    return attn.o_proj(out.view(M, H, B, d).transpose(1, 2).reshape(M * B, H * d))
 
 
 def anchored_block_states(model: ConditionedDraftModel, block_embeddings: torch.Tensor, layout: AnchorLayout,
