@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from diffspec.compiled import math_attention
+from diffspec.training import batch_step
 from diffspec.training.store import generate_batch
 from gpu_profiling import smollm2_shaped, write_profile_table
 
@@ -58,8 +59,11 @@ def main():
         reference = None
         for kind in a.kinds:
             try:
-                run(b, 2, kind)  # warm-up (and a graph's first captures)
-                (short, _), (long, answers) = run(b, 1, kind), run(b, 1 + a.new_tokens, kind)
+                run(b, 2, kind)  # warm-up (graphs are captured anew in each generation: each run's own count below)
+                (short, _) = run(b, 1, kind)
+                before = batch_step.captures
+                (long, answers) = run(b, 1 + a.new_tokens, kind)  # its captures are in its time, as in make-data
+                captured = batch_step.captures - before
             except Exception as error:  # one kind failing must not cost the others' figures
                 report["steps"][f"{b} {kind}"] = {"error": f"{type(error).__name__}: {error}"[:300]}
                 print(b, kind, report["steps"][f"{b} {kind}"], flush=True)
@@ -68,7 +72,8 @@ def main():
             reference = answers if reference is None else reference
             same = sum(x == y for x, y in zip(answers, reference))
             report["steps"][f"{b} {kind}"] = {"decode_step_ms": round(1000 * step, 2), "tokens_per_s": round(b / step, 1),
-                                              "prefill_s": round(short, 3), "answers_equal_first_kind": f"{same}/{b}"}
+                                              "prefill_s": round(short, 3), "answers_equal_first_kind": f"{same}/{b}",
+                                              "graphs_captured": captured, "graph_failures": list(batch_step._graph_failed)}
             print(b, kind, report["steps"][f"{b} {kind}"], flush=True)
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])

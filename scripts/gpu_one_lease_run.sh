@@ -8,10 +8,11 @@
 #   A2. the target's pass latency, eager against CUDA graphs, at k = 0 and 15 (issue 19: <= 5 ms a pass; the
 #      math-attention fix of the last lease measured on the real target; ~1.5 min with two compiles);
 #   B. target-generated data (make-data, graphs under `auto`), DATA_S, from the first PROMPTS prompts of the seeded
-#      order (12,000 user turns, ~20 s of rendering on the host, ~2x what 130 s answer at 50k tokens/s);
+#      order (12,000 user turns, ~20 s of rendering on the host, ~2x what 130 s answer at 50k tokens/s), with the
+#      CUDA tests beside it (correctness only; A measures the decode step alone, quiet);
 #   C. the conditioned drafter continued from the shipped one at block 16 (it starts where the CPU left it,
-#      tau ~1.4, where a drafter from scratch started at ~1.0 last lease), TRAIN_S, with its health check;
-#      the CUDA tests beside it (correctness only);
+#      tau ~1.4, where a drafter from scratch started at ~1.0 last lease), TRAIN_S, alone (its slots/s and
+#      the profile of 3 steps are this lease's trainer figures), with its health check;
 #   D. if BENCH_MIN_S are left: a short bench under `--compile auto` (plain, prompt lookup, auto, the drafter).
 # Each step has its own time limit; a step that fails writes FAILED: <step> into run.log and the next runs.
 #
@@ -68,17 +69,17 @@ start)
     timeout ${LAT_S:-120} python3 benchmarks/gpu_pass_latency.py --device $DEVICE --ks ${LAT_KS:-0 15} \
         --variants eager fixed --out $G/out/pass_latency.json > $G/out/pass_latency.txt 2>&1 || fail pass-latency
     step B-make-data
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py tests/test_batch_step.py -k cuda \
+        > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests &
     python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device $DEVICE --max-new-tokens 256 \
         --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-12000} --max-time ${DATA_S:-130} \
         > $G/out/data.txt 2>&1 || fail make-data
+    wait
     step C-train
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py tests/test_batch_step.py -k cuda \
-        > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests &
     python3 -m diffspec train-drafter --data $STORE --out $G/cond --kind conditioned --init-drafter shipped \
         --device $DEVICE --block-size 16 --anchors 512 --batch-sequences 8 --max-time ${TRAIN_S:-150} \
         --profile-steps ${PROFILE_STEPS:-3} \
         --eval-prompts ${EVAL_N:-8} --eval-tokens ${EVAL_T:-160} > $G/out/cond.txt 2>&1 || fail train-conditioned
-    wait
     bash $PWD/scripts/gpu_one_lease_run.sh pack
     if [ -f $G/cond/drafter/model.safetensors ] && [ \$(left) -ge ${BENCH_MIN_S:-150} ]; then
       step D-bench

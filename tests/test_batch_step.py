@@ -37,7 +37,7 @@ def prefilled(model, prompts, capacity):
     return cache, mask, pos[:, -1] + 1, out.logits[:, -1]
 
 
-def eager_record(run):
+def eager_record(run, pool=None):
     """CUDA graphs' protocol without CUDA: the output is one buffer, rewritten from the captured inputs by each
     replay; like a graph, the recorder never sees the caller's tensors, only the buffers `run` closes over."""
     out = run()
@@ -118,7 +118,7 @@ def test_graph_steps_capture_once_per_shape_and_give_the_same_answers(model, tok
 
 
 def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(model, tokenizer, monkeypatch, capsys):
-    def broken(run):
+    def broken(run, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
     monkeypatch.setattr(batch_step, "record", broken)
     monkeypatch.setattr(batch_step, "_graph_failed", [])
@@ -129,6 +129,61 @@ def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(mo
             == generate_batch(model, prompts, 10, {2}, 0, decode_step="model"))
     assert "CUDA-graph decode step failed (RuntimeError: operation not permitted" in capsys.readouterr().err
     assert batch_step._graph_failed  # `auto` asks for graphs no more in this process
+
+
+def test_the_batch_probe_falls_back_too_and_later_graph_requests_get_the_model(model, monkeypatch, capsys):
+    """make-data's batch probe captures the first graph: a capture that fails there falls back as generation
+    does (it used to end make-data before its first batch), and `graph` is not asked for again."""
+    def broken(run, pool=None):
+        raise RuntimeError("capture failed")
+    monkeypatch.setattr(batch_step, "record", broken)
+    monkeypatch.setattr(batch_step, "_graph_failed", [])
+    real_choose = batch_step.choose_kind
+
+    def on_cpu_as_on_cuda(kind, m):  # a CPU model asked for graphs as a CUDA one would be
+        if kind == "graph" and not batch_step._graph_failed:
+            return "graph"
+        return real_choose("model" if kind == "graph" else kind, m)
+    monkeypatch.setattr(batch_step, "choose_kind", on_cpu_as_on_cuda)
+    assert store_mod.decode_step_seconds(model, 4, 16, steps=2, decode_step="graph") > 0
+    assert "CUDA-graph decode step failed (RuntimeError: capture failed)" in capsys.readouterr().err
+    assert batch_step._graph_failed
+    monkeypatch.setattr(batch_step, "choose_kind", real_choose)
+    assert real_choose("graph", model) == "model"  # remembered (without it, `graph` on a CPU is refused)
+
+
+def test_out_of_memory_in_a_graph_step_is_not_taken_for_a_failed_capture(model, tokenizer, monkeypatch):
+    def oom(run, pool=None):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(batch_step, "record", oom)
+    monkeypatch.setattr(batch_step, "_graph_failed", [])
+    real_choose = batch_step.choose_kind
+    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    with pytest.raises(torch.OutOfMemoryError):  # the batch probe's to catch: a smaller batch, not graphs off
+        generate_batch(model, prompts_of(2, 3, len(tokenizer)), 5, {2}, 0, decode_step="graph")
+    assert not batch_step._graph_failed
+
+
+def test_compaction_keeps_the_buffers_a_graph_reads(model, tokenizer):
+    """A graph reads each layer's keys/values through the addresses it was captured with: dropping finished rows
+    must move rows within the same buffers, never allocate new ones."""
+    cache, *_ = prefilled(model, prompts_of(4, 6, len(tokenizer)), 40)
+    before = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+    cache.keep_rows([1, 3, 4])
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == before
+
+
+def test_the_health_checks_answers_come_from_the_models_forward(target, monkeypatch):
+    """Cached as the target's own answers: never from make-data's faster step (other rounding), on any device."""
+    from diffspec.evaluation import target_continuations
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("decode_step"))
+        return [[7, 8, 2] for _ in args[1]]
+    monkeypatch.setattr(store_mod, "generate_batch", spy)
+    assert len(target_continuations(target, [[5, 6], [9, 10, 11]], 4)) == 2
+    assert seen == ["model"]
 
 
 def test_kinds_that_cannot_run_are_refused_by_name(model, tokenizer):

@@ -176,8 +176,10 @@ def target_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
+            # the model's forward, on any device: these answers are cached as the target's own, whatever
+            # make-data's faster step would round differently (training/batch_step.py)
             out = generate_batch(target.model, [list(prompts[i]) for i in idx], max_new_tokens,
-                                 sorted(target.stop_token_ids), pad)
+                                 sorted(target.stop_token_ids), pad, decode_step="model")
             for i, response in zip(idx, out):
                 answers[i] = response
             bar.update(len(idx))

@@ -34,11 +34,13 @@ SPAN = 128                    # positions attention reads, rounded up to a multi
 STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that depend on positions alone (no data-dependent update)
 STEP_KINDS = ("auto", "model", "direct", "graph")
 _graph_failed: list = []      # a capture that failed in this process: `auto` stops asking for graphs
+captures = 0                  # graphs captured in this process (benchmarks/gpu_make_data_profile.py reports them)
 
 
 def applies(model: torch.nn.Module) -> bool:
     """Whether `DecodeStep` computes `model`'s decode step: transformers' Llama with SiLU, no biases, no
-    tensor-parallel split, full attention in every layer and a rotary table that depends on positions alone."""
+    tensor-parallel split, full attention in every layer, a rotary table that depends on positions alone, on one
+    device without accelerate's hooks."""
     from transformers import LlamaForCausalLM
 
     if type(model) is not LlamaForCausalLM or model.training:
@@ -51,17 +53,20 @@ def applies(model: torch.nn.Module) -> bool:
         return False
     if getattr(cfg, "sliding_window", None):
         return False
+    if len({p.device for p in model.parameters()}) != 1 or any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return False  # split over devices, or offloaded by accelerate's hooks: the step calls modules directly
     return getattr(model.model.rotary_emb, "rope_type", None) in STATIC_ROPE
 
 
 def choose_kind(kind: str, model: torch.nn.Module) -> str:
     """`auto` -> `graph` on CUDA where the model applies, else `model` (on a CPU the model's forward measured as
     fast: its attention kernel reads the shared heads without copying them there); other kinds as asked, with
-    a clear error where they cannot run."""
+    a clear error where they cannot run; `graph` -> `model` once a capture failed in this process (warn_fallback
+    said so)."""
     if kind not in STEP_KINDS:
         raise DiffspecError(f"decode step kind must be one of {', '.join(STEP_KINDS)}, got {kind!r}")
     device = next(model.parameters()).device
-    if kind == "auto":
+    if kind == "auto" or (kind == "graph" and _graph_failed):  # a capture failed in this process: no more graphs
         return "graph" if device.type == "cuda" and applies(model) and not _graph_failed else "model"
     if kind in ("direct", "graph") and not applies(model):
         raise DiffspecError(f"decode step '{kind}' needs a Llama-architecture model with full attention "
@@ -94,6 +99,8 @@ class DecodeStep:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = model.model.layers[0].self_attn.scaling
         self._graphs: Dict[Tuple[int, int], tuple] = {}
+        self._at = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
+        self._pool = None            # one memory pool for this step's graphs (each output is read before any replay)
         self.captured = 0            # graphs captured so far (a report, and the tests' check)
 
     # --- the step itself, in torch operations ------------------------------------------------------------
@@ -115,12 +122,13 @@ class DecodeStep:
             k = attn.k_proj(x).view(B, 1, KV, d).transpose(1, 2)       # [B, KV, 1, d]
             v = attn.v_proj(x).view(B, 1, KV, d).transpose(1, 2)
             q, k = self.rotate(q, k, cos, sin)
+            q = q * self.scale                                         # scaled first: no fp16 overflow in q . k
             keys, values = kv.keys[:B], kv.values[:B]                  # [B, KV, capacity, d]
             keys.index_copy_(2, at, k.to(keys.dtype))
             values.index_copy_(2, at, v.to(values.dtype))
             # the query heads sharing a key/value head are one matmul's rows: each head's keys read once
             scores = torch.matmul(q.reshape(B, KV, H // KV, d), keys[:, :, :span].transpose(-1, -2))
-            weights = torch.softmax(scores.to(soft) * self.scale + bias, dim=-1).to(values.dtype)
+            weights = torch.softmax(scores.to(soft) + bias, dim=-1).to(values.dtype)
             out = torch.matmul(weights, values[:, :, :span])           # [B, KV, group, d]
             h = h + attn.o_proj(out.reshape(B, 1, H * d).to(h.dtype))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -135,7 +143,7 @@ class DecodeStep:
         device = tokens.device
         valid = torch.zeros((B, span), dtype=torch.bool, device=device)
         valid[:, :written] = mask[:, :written].bool()
-        at = torch.tensor([self.cache.length], dtype=torch.long, device=device)
+        at = self._at.fill_(self.cache.length)  # on the device, no copy from the host to wait for
         if not self.graphs:
             return self._compute(tokens, positions, valid, at, span)
         key = (B, span)
@@ -149,23 +157,36 @@ class DecodeStep:
 
     def _capture(self, tokens, positions, valid, at, span) -> tuple:
         inputs = tuple(t.clone() for t in (tokens, positions, valid, at))
-        replay, logits = record(lambda: self._compute(*inputs, span))
+        if self._pool is None and self.graphs and torch.cuda.is_available():
+            self._pool = torch.cuda.graph_pool_handle()
+        replay, logits = record(lambda: self._compute(*inputs, span), self._pool)
+        global captures
         self.captured += 1
+        captures += 1
         return replay, inputs, logits
 
 
-def record(run) -> tuple:
+def record(run, pool=None) -> tuple:
     """Capture `run` (a function of buffers that stay where they are) as a CUDA graph -> (replay, its output).
     Run once first, off the capture (the allocator and cuBLAS set up): `run` is the step about to be replayed,
-    so that run writes the very keys and values the replay writes again."""
+    so that run writes the very keys and values the replay writes again. Captured with the graph's own calls,
+    not `torch.cuda.graph`, whose entry collects Python's garbage and empties the allocator's cache at every
+    capture (tens of captures a generation). `pool`: a memory pool the graphs of one generation share; safe
+    since each replay's output is read before the next replay of any of them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    try:
+        with torch.cuda.stream(stream):
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+            try:
+                out = run()
+            finally:
+                graph.capture_end()
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
     return graph.replay, out
 
 
@@ -177,6 +198,8 @@ def new_step(kind: str, model: torch.nn.Module, cache) -> Optional[DecodeStep]:
 
 
 def warn_fallback(error: Exception) -> None:
-    _graph_failed.append(f"{type(error).__name__}: {error}")
-    print(f"diffspec make-data: the CUDA-graph decode step failed ({type(error).__name__}: {error}); "
+    cause = error.__context__  # a failure inside the capture, then capture_end's own error: name the first
+    text = f"{type(error).__name__}: {error}" + (f" (after {type(cause).__name__}: {cause})" if cause else "")
+    _graph_failed.append(text)
+    print(f"diffspec make-data: the CUDA-graph decode step failed ({text}); "
           f"running the model's forward instead (and in this process's later batches)", file=sys.stderr, flush=True)

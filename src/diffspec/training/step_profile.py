@@ -16,6 +16,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 SKIP = 2
@@ -65,7 +66,8 @@ class StepProfile:
         parts = [f"train-drafter --profile-steps {self.steps}: steps {SKIP + 2}..{SKIP + 1 + active} "
                  f"(after {SKIP} steps and a warm-up step{'; the run ended first' if active < self.steps else ''})\n",
                  "\nms a step, by phase (host time, with what it waits for; device time on CUDA)\n"]
-        by_name = {e.key: e for e in events}
+        # the host's entry of each phase (on CUDA a range is also listed as a GPU annotation under the same name)
+        by_name = {e.key: e for e in events if e.device_type == DeviceType.CPU}
         for name in PHASES:
             e = by_name.get(name)
             if e is not None:

@@ -386,6 +386,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         if stepper is not None:
             try:
                 logits = stepper.step(tok, next_pos, mask)
+            except torch.OutOfMemoryError:  # memory, not graphs: the caller's to handle (a smaller batch)
+                raise
             except RuntimeError as error:  # a graph that cannot be captured here: the model's forward instead
                 if not stepper.graphs:
                     raise
@@ -435,9 +437,18 @@ def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2, decod
     for _ in range(steps):
         pos = torch.full((batch, 1), cache.length, dtype=torch.long, device=device)
         t0 = time.perf_counter()
+        logits = None
         if stepper is not None:
-            logits = stepper.step(tok.view(-1), pos.view(-1), mask)
-        else:
+            try:
+                logits = stepper.step(tok.view(-1), pos.view(-1), mask)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as error:  # as generate_batch: a graph that cannot be captured falls back
+                if not stepper.graphs:
+                    raise
+                batch_step.warn_fallback(error)
+                stepper = None
+        if logits is None:
             logits = model(input_ids=tok, attention_mask=mask[:, : cache.length + 1], position_ids=pos,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         logits.argmax(-1).tolist()  # waits for the device, as the real loop does
@@ -756,7 +767,6 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
 
     model, device = target.model, _model_device(target.model)
     kind = batch_step.choose_kind(decode_step, model)
-    manifest["settings"]["decode_step"] = kind
     stop_ids = frozenset(int(s) for s in target.stop_token_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     if batch_size == "auto":
@@ -765,8 +775,10 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
                                    decode_step=kind)
         manifest["settings"]["batch_choice"] = choice.to_dict()
         batch = choice.batch_size
+        kind = batch_step.choose_kind(kind, model)  # `model` if the probe's graph failed to capture
     else:
         batch = int(batch_size)
+    manifest["settings"]["decode_step"] = kind
     seen = _stored_response_keys(out, manifest)
     hasher = _prompt_hasher(order.prompts[:done])  # prompts_done_sha256, extended chunk by chunk
     chunk_prompts = max(1, shard_sequences // len(temps))
@@ -819,6 +831,8 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
             _write_manifest(out, manifest)
     finally:
         bar.close()
+    if batch_step._graph_failed:  # a capture failed in this run: the steps after it ran the model's forward
+        manifest["settings"]["decode_step"] = f"model (graph failed: {batch_step._graph_failed[0][:300]})"
     _write_manifest(out, manifest)
     return manifest
 
