@@ -75,6 +75,7 @@ def main():
                                               "prefill_s": round(short, 3), "answers_equal_first_kind": f"{same}/{b}",
                                               "graphs_captured": captured, "graph_failures": list(batch_step._graph_failed)}
             print(b, kind, report["steps"][f"{b} {kind}"], flush=True)
+            (out / "make_data_steps.json").write_text(json.dumps(report, indent=1))  # kept if a time limit cuts the rest
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Longer than the 15 device minutes a session gets since 2026-11-27: for a larger budget. Within one
+# session's lease, scripts/gpu_one_lease_run.sh runs the parts that fit.)
 # Issue 16 on one lent H100: target-generated data + online batched training + health check + bench,
 # in ~25 minutes of GPU time, drafter weights (fp16, drafter only) back through $OUT.
 #

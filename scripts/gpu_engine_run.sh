@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Longer than the 15 device minutes a session gets since 2026-11-27: for a larger budget. Within one
+# session's lease, scripts/gpu_one_lease_run.sh runs the parts that fit.)
 # Issue 19, GPU part, on one lent H100/H200: tests/test_fixed_cache.py on CUDA first (CUDA graphs replay
 # eager passes, never hand out replayed memory, none skipped; pytest travels as a wheel), the target pass on CUDA (eager; compiled with a symbolic
 # length; compiled over the fixed-capacity cache as CUDA graphs, which is what `--compile on` runs on
