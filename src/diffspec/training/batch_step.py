@@ -197,6 +197,24 @@ def new_step(kind: str, model: torch.nn.Module, cache) -> Optional[DecodeStep]:
     return DecodeStep(model, cache, graphs=kind == "graph")
 
 
+def try_step(stepper: Optional[DecodeStep], tokens: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor) -> tuple:
+    """One step through `stepper` -> (logits, stepper); (None, None) where there is no stepper or its graph
+    could not be captured (warned, and remembered: the caller runs the model's forward from then on). Running
+    out of memory is not a failed capture: it goes to the caller (the batch probe takes a smaller batch)."""
+    if stepper is None:
+        return None, None
+    try:
+        return stepper.step(tokens, positions, mask), stepper
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        if not stepper.graphs:
+            raise
+        warn_fallback(error)
+        return None, None
+
+
 def warn_fallback(error: Exception) -> None:
     cause = error.__context__  # a failure inside the capture, then capture_end's own error: name the first
     text = f"{type(error).__name__}: {error}" + (f" (after {type(cause).__name__}: {cause})" if cause else "")

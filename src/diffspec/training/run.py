@@ -516,48 +516,50 @@ def _train(req: TrainRequest, world: World) -> dict:
     model.train()
     done = progress()
     prof = StepProfile(req.profile_steps if world.main else 0, world.device, out)
-    while done < 1.0:
-        if batches_epoch != state["epoch"]:
-            batches = [b for b in epoch_batches(lengths, req.batch_sequences, req.seed, state["epoch"]) if len(b) >= world.size]
-            batches_epoch = state["epoch"]
-        lr = lr_at(done, req.lr, req.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        mine = rank_share(batches[state["batch_in_epoch"]], world.rank, world.size)
-        with prof.phase(0):
-            batch = pad_batch([train[i] for i in mine], mine, pad).to(world.device)
-            inputs = trainer.inputs(batch, state["epoch"])
-        opt.zero_grad(set_to_none=True)
-        with prof.phase(1), torch.autocast(torch.device(world.device).type, dtype=amp_dtype,
-                                           enabled=amp_dtype != torch.float32):
-            ce, weight, slots, correct, count = _parts(module(*inputs))
-        with prof.phase(2):
-            total_weight = all_sum(weight.float(), world).clamp(min=1e-9)
-            (ce * world.size / total_weight).backward()  # DDP averages over ranks: the sum of the ranks' parts
-        with prof.phase(3):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
-            opt.step()
-        sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
-        state["step"] += 1
-        state["tokens"] += int(sums[1])
-        state["anchors"] = state.get("anchors", 0) + int(sums[3])
-        state["batch_in_epoch"] += 1
-        if state["batch_in_epoch"] >= len(batches):
-            state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
-        elapsed = time.time() - t_loop
-        row = {"step": state["step"], "epoch": state["epoch"] + state["batch_in_epoch"] / max(1, len(batches)),
-               "loss": round(float(sums[0] / total_weight), 5), "slot1_acc": round(float(sums[2] / sums[3].clamp(min=1)), 4),
-               "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 2)}
-        state["log"].append(row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['slot1_acc']:.2f}",
-                        slots_s=f"{state['tokens'] / max(elapsed, 1e-6):.0f}", refresh=False)
-        if time.time() - last_ckpt > req.checkpoint_every_s:
-            checkpoint()
-            last_ckpt = time.time()
-        prof.step()
-        done = progress()
-    prof.stop()
+    try:  # a run that fails mid-loop leaves no profiler running
+        while done < 1.0:
+            if batches_epoch != state["epoch"]:
+                batches = [b for b in epoch_batches(lengths, req.batch_sequences, req.seed, state["epoch"]) if len(b) >= world.size]
+                batches_epoch = state["epoch"]
+            lr = lr_at(done, req.lr, req.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            mine = rank_share(batches[state["batch_in_epoch"]], world.rank, world.size)
+            with prof.phase(0):
+                batch = pad_batch([train[i] for i in mine], mine, pad).to(world.device)
+                inputs = trainer.inputs(batch, state["epoch"])
+            opt.zero_grad(set_to_none=True)
+            with prof.phase(1), torch.autocast(torch.device(world.device).type, dtype=amp_dtype,
+                                               enabled=amp_dtype != torch.float32):
+                ce, weight, slots, correct, count = _parts(module(*inputs))
+            with prof.phase(2):
+                total_weight = all_sum(weight.float(), world).clamp(min=1e-9)
+                (ce * world.size / total_weight).backward()  # DDP averages over ranks: the sum of the ranks' parts
+            with prof.phase(3):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
+                opt.step()
+            sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
+            state["step"] += 1
+            state["tokens"] += int(sums[1])
+            state["anchors"] = state.get("anchors", 0) + int(sums[3])
+            state["batch_in_epoch"] += 1
+            if state["batch_in_epoch"] >= len(batches):
+                state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
+            elapsed = time.time() - t_loop
+            row = {"step": state["step"], "epoch": state["epoch"] + state["batch_in_epoch"] / max(1, len(batches)),
+                   "loss": round(float(sums[0] / total_weight), 5), "slot1_acc": round(float(sums[2] / sums[3].clamp(min=1)), 4),
+                   "lr": lr, "tokens": state["tokens"], "elapsed_s": round(elapsed, 2)}
+            state["log"].append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['slot1_acc']:.2f}",
+                            slots_s=f"{state['tokens'] / max(elapsed, 1e-6):.0f}", refresh=False)
+            if time.time() - last_ckpt > req.checkpoint_every_s:
+                checkpoint()
+                last_ckpt = time.time()
+            prof.step()
+            done = progress()
+    finally:
+        prof.stop()
     bar.close()
     checkpoint()
     model.eval()

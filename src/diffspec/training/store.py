@@ -382,17 +382,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 gens = [gens[i] for i in keep_list]
             tok, mask, next_pos, done = tok[keep], mask[keep], next_pos[keep], done[keep]
         mask[:, width + step] = 1
-        logits = None
-        if stepper is not None:
-            try:
-                logits = stepper.step(tok, next_pos, mask)
-            except torch.OutOfMemoryError:  # memory, not graphs: the caller's to handle (a smaller batch)
-                raise
-            except RuntimeError as error:  # a graph that cannot be captured here: the model's forward instead
-                if not stepper.graphs:
-                    raise
-                batch_step.warn_fallback(error)
-                stepper = None
+        logits, stepper = batch_step.try_step(stepper, tok, next_pos, mask)
         if logits is None:
             out = model(input_ids=tok.view(-1, 1), attention_mask=mask[:, : width + step + 1],
                         position_ids=next_pos.view(-1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -437,17 +427,7 @@ def decode_step_seconds(model, batch: int, cache_len: int, steps: int = 2, decod
     for _ in range(steps):
         pos = torch.full((batch, 1), cache.length, dtype=torch.long, device=device)
         t0 = time.perf_counter()
-        logits = None
-        if stepper is not None:
-            try:
-                logits = stepper.step(tok.view(-1), pos.view(-1), mask)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as error:  # as generate_batch: a graph that cannot be captured falls back
-                if not stepper.graphs:
-                    raise
-                batch_step.warn_fallback(error)
-                stepper = None
+        logits, stepper = batch_step.try_step(stepper, tok.view(-1), pos.view(-1), mask)
         if logits is None:
             logits = model(input_ids=tok, attention_mask=mask[:, : cache.length + 1], position_ids=pos,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
