@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from diffspec.compiled import math_attention
 from diffspec.training import batch_step
-from diffspec.training.store import generate_batch
+from diffspec.training.store import BatchSession, generate_batch
 from gpu_profiling import smollm2_shaped, write_profile_table
 
 
@@ -43,7 +43,7 @@ def main():
     model = smollm2_shaped(dev, a.layers)
     report = {"device": str(dev), "layers": a.layers, "prompt_tokens": a.prompt_tokens, "steps": {}}
 
-    def run(batch, new, kind="model"):
+    def run(batch, new, kind="model", session=None):
         g = torch.Generator().manual_seed(batch)  # the same prompts for every kind at a batch size
         prompts = torch.randint(3, 49152, (batch, a.prompt_tokens), generator=g).tolist()
         sync()
@@ -51,7 +51,7 @@ def main():
         with (math_attention() if kind == "model-math" else contextlib.nullcontext()):
             # no stop ids: every row runs `new` steps
             answers = generate_batch(model, prompts, new, stop_ids=[], pad_id=0,
-                                     decode_step="model" if kind == "model-math" else kind)
+                                     decode_step="model" if kind == "model-math" else kind, session=session)
         sync()
         return time.perf_counter() - t0, answers
 
@@ -59,10 +59,14 @@ def main():
         reference = None
         for kind in a.kinds:
             try:
-                run(b, 2, kind)  # warm-up (graphs are captured anew in each generation: each run's own count below)
-                (short, _) = run(b, 1, kind)
+                # one session per kind and batch, as make-data keeps one: the warm-up captures the graphs the timed
+                # runs replay (the count below is the timed run's own: 0 where every shape was seen)
+                session = BatchSession(model, b, a.prompt_tokens + 2 + a.new_tokens,
+                                       "model" if kind == "model-math" else kind)
+                run(b, 2, kind, session)
+                (short, _) = run(b, 1, kind, session)
                 before = batch_step.captures
-                (long, answers) = run(b, 1 + a.new_tokens, kind)  # its captures are in its time, as in make-data
+                (long, answers) = run(b, 1 + a.new_tokens, kind, session)
                 captured = batch_step.captures - before
             except Exception as error:  # one kind failing must not cost the others' figures
                 report["steps"][f"{b} {kind}"] = {"error": f"{type(error).__name__}: {error}"[:300]}

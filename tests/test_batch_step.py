@@ -117,6 +117,72 @@ def test_graph_steps_capture_once_per_shape_and_give_the_same_answers(model, tok
             == generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), decode_step="model"))
 
 
+def graph_kind_on_cpu(monkeypatch):
+    """Graph steps on a CPU: the eager stand-in for the graphs, and `graph` accepted as a CUDA model's would be
+    -> the list of (rows, span) shapes captured."""
+    monkeypatch.setattr(batch_step, "record", eager_record)
+    monkeypatch.setattr(batch_step, "SPAN", 8)
+    monkeypatch.setattr(batch_step, "_graph_failed", [])
+    real_choose = batch_step.choose_kind
+    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    shapes = []
+    real_capture = batch_step.DecodeStep._capture
+
+    def capture(self, tokens, positions, valid, at, span):
+        shapes.append((int(tokens.shape[0]), span))
+        return real_capture(self, tokens, positions, valid, at, span)
+    monkeypatch.setattr(batch_step.DecodeStep, "_capture", capture)
+    return shapes
+
+
+def test_a_session_replays_the_graphs_of_earlier_batches_and_rows_go_in_powers_of_two(model, tokenizer, monkeypatch):
+    """make-data's batches share one cache and its graphs (store.BatchSession): a later batch of the same shapes
+    captures nothing, a new shape is captured once, and dropped rows leave power-of-two row counts."""
+    shapes = graph_kind_on_cpu(monkeypatch)
+    prompts = prompts_of(1, 10, len(tokenizer))
+    want = generate_batch(model, prompts, 20, {2, 19}, 0, decode_step="model")
+    assert sorted(map(len, want))[:4] == [3, 4, 6, 8]  # rows stop at several steps: the batch shrinks
+    session = store_mod.BatchSession(model, 10, 24 + 20, "graph")
+    assert generate_batch(model, prompts, 20, {2, 19}, 0, session=session) == want
+    first = list(shapes)
+    assert first and all(rows == 10 or rows & (rows - 1) == 0 for rows, _ in first), first  # 10, then 8, 4, ...
+    assert any(rows < 10 for rows, _ in first)  # rows were dropped
+    buffers = [layer.keys.data_ptr() for layer in session.cache.layers]
+    assert generate_batch(model, prompts, 20, {2, 19}, 0, session=session) == want
+    assert shapes == first  # the same shapes again: every graph replayed, none captured
+    other = prompts_of(9, 6, len(tokenizer))
+    assert (generate_batch(model, other, 20, {2, 19}, 0, session=session)
+            == generate_batch(model, other, 20, {2, 19}, 0, decode_step="model"))
+    assert [layer.keys.data_ptr() for layer in session.cache.layers] == buffers  # one cache throughout
+    # sampling through a session: the same tokens from the same generators
+    gens = lambda: [torch.Generator().manual_seed(i) for i in range(len(prompts))]  # noqa: E731
+    assert (generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), session=session)
+            == generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), decode_step="model"))
+    bigger = prompts_of(3, 12, len(tokenizer))  # more rows than the session holds: a new cache, the same answers
+    assert (generate_batch(model, bigger, 8, {2}, 0, session=session)
+            == generate_batch(model, bigger, 8, {2}, 0, decode_step="model"))
+    assert session.cache.state.allocated == 12
+
+
+def test_make_data_runs_its_batches_through_one_session(tmp_path, monkeypatch, tokenizer):
+    """build_store keeps one BatchSession for its batches (the graphs captured by the first are replayed)."""
+    from diffspec import Target
+    sessions = []
+    real = store_mod.generate_batch
+
+    def spy(*args, **kwargs):
+        sessions.append(kwargs.get("session"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(store_mod, "generate_batch", spy)
+    monkeypatch.setattr(store_mod, "evaluation_prompts", lambda: [])
+    target = Target(make_model(len(tokenizer), seed=0, dtype=torch.float32), tokenizer, name="tiny")
+    convs = [[{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50}" for j in range(3 + i % 4))}]
+             for i in range(10)]
+    store_mod.build_store(tmp_path / "s", target, convs, max_new_tokens=6, max_prompt_tokens=40, batch_size=4,
+                          progress=False)
+    assert len(sessions) == 3 and sessions[0] is not None and all(s is sessions[0] for s in sessions)
+
+
 def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(model, tokenizer, monkeypatch, capsys):
     def broken(run, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -12,7 +12,9 @@ step has one. `DecodeStep` computes the same step for a Llama-architecture model
   the query heads that share it (`q.view(kv_heads, group, ...)`), padding and unwritten positions masked;
 - in fixed shapes: the rows, and the positions attention reads rounded up to SPAN positions. On CUDA each
   (rows, span) is captured once as a CUDA graph and replayed (one launch a step); the step's inputs are copied
-  into the graph's own buffers first.
+  into the graph's own buffers first. generate_batch drops finished rows down to powers of two under graphs,
+  and make-data runs its batches through one store.BatchSession (one cache, this step and its graphs), so a
+  shape is captured once a run, not once a batch.
 
 It computes what transformers' pass computes up to rounding (another attention kernel sums in another order):
 logits within float32 rounding, so a greedy answer can differ where two tokens nearly tie. make-data's answers
@@ -85,9 +87,10 @@ class DecodeStep:
     """One decode step (one token for each row) of `model` over `cache`'s buffers (a store.BatchKVCache that a
     prefill has written). `step(tokens, positions, mask)` -> logits [rows, vocab]; the caller advances the cache.
 
-    `graphs=True` (CUDA) replays a graph per (rows, span); a graph is captured the first time its shape runs, and
-    the one before it is dropped (within a generation rows only shrink and spans only grow, so one graph's memory
-    is held at a time). The logits a graph returns are its own buffer, overwritten by the next replay."""
+    `graphs=True` (CUDA) replays a graph per (rows, span); a graph is captured the first time its shape runs and
+    kept while the step lives (store.BatchSession keeps it across batches). The graphs share one memory pool, so
+    their intermediates take the room of one; each keeps its logits, its own buffer, overwritten by its next
+    replay."""
 
     def __init__(self, model: torch.nn.Module, cache, graphs: bool = False):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -147,8 +150,8 @@ class DecodeStep:
         if not self.graphs:
             return self._compute(tokens, positions, valid, at, span)
         key = (B, span)
-        if key not in self._graphs:  # within a generation rows only shrink and spans only grow: the graphs of
-            self._graphs = {key: self._capture(tokens, positions, valid, at, span)}  # other shapes are done with
+        if key not in self._graphs:  # kept for the next batch of a BatchSession (its cache's buffers stay put)
+            self._graphs[key] = self._capture(tokens, positions, valid, at, span)
         replay, inputs, logits = self._graphs[key]
         for buffer, value in zip(inputs, (tokens, positions, valid, at)):
             buffer.copy_(value)

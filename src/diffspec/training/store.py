@@ -185,6 +185,7 @@ class _Rows:
     capacity: int             # positions per row
     length: int = 0           # positions written (the same for every row)
     row_range: tuple = (0, 0)  # rows the next forward pass covers
+    allocated: int = 0        # rows the buffers hold (a reused cache's may exceed the live rows)
 
 
 class _RowsLayer(CacheLayerMixin):
@@ -199,7 +200,7 @@ class _RowsLayer(CacheLayerMixin):
         self.owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows, heads, cap = self.owner.rows, key_states.shape[1], self.owner.capacity
+        rows, heads, cap = self.owner.allocated, key_states.shape[1], self.owner.capacity
         self.keys = key_states.new_zeros((rows, heads, cap, key_states.shape[-1]))
         self.values = value_states.new_zeros((rows, heads, cap, value_states.shape[-1]))
         self.is_initialized = True
@@ -247,7 +248,7 @@ class BatchKVCache(Cache):
         if bad:
             raise DiffspecError(f"batched generation supports attention layers only "
                                 f"({', '.join(ATTENTION_LAYER_TYPES)}), this model has {', '.join(bad)}")
-        self.state = _Rows(rows, capacity, 0, (0, rows))
+        self.state = _Rows(rows, capacity, 0, (0, rows), rows)
         super().__init__(layers=[_RowsLayer(self.state) for _ in layer_types])
 
     @property
@@ -280,6 +281,13 @@ class BatchKVCache(Cache):
         if self.length > self.capacity:
             raise DiffspecError(f"KV cache overflow: {self.length} positions in a cache of {self.capacity}")
 
+    def reset(self, rows: int) -> None:
+        """Empty, for a new batch of `rows` rows (at most those allocated): the buffers stay where they are, so
+        CUDA graphs captured over them stay valid (BatchSession)."""
+        if not 0 < rows <= self.state.allocated:
+            raise ValueError(f"reset needs 1..{self.state.allocated} rows, got {rows}")
+        self.state.rows, self.state.length, self.state.row_range = rows, 0, (0, rows)
+
     def keep_rows(self, index: Sequence[int]) -> None:
         """Keep only rows `index` (ascending), which become rows 0, 1, ...; the buffers stay allocated."""
         index = [int(i) for i in index]
@@ -307,11 +315,45 @@ def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
     return torch.multinomial(probs, 1, generator=generator).view(-1)
 
 
+class BatchSession:
+    """A batch cache and its decode step kept across generate_batch calls (make-data's batches): the graphs one
+    batch captures are replayed by the next, where a cache per batch would capture them all again (a capture
+    costs about two eager steps). `rows` and `capacity` bound the batches it takes; a larger one gets a new
+    cache (and new graphs)."""
+
+    def __init__(self, model, rows: int, capacity: int, decode_step: str = "auto"):
+        self.model, self.rows, self.capacity = model, int(rows), int(capacity)
+        self.kind = batch_step.choose_kind(decode_step, model)
+        self.cache: Optional[BatchKVCache] = None
+        self.stepper = None
+
+    def cache_for(self, rows: int, positions: int) -> BatchKVCache:
+        """An empty cache for `rows` rows of up to `positions` positions: this session's, reset, where it fits."""
+        if self.cache is None or rows > self.cache.state.allocated or positions > self.cache.capacity:
+            self.rows, self.capacity = max(self.rows, rows), max(self.capacity, positions)
+            self.cache = BatchKVCache(self.model.config, self.rows, self.capacity)
+            self.stepper = batch_step.new_step(self.kind, self.model, self.cache)
+        self.cache.reset(rows)
+        return self.cache
+
+
+def _bucket_rows(live: torch.Tensor, rows: int) -> Optional[list]:
+    """Rows to keep when a graph step drops finished ones: the live rows and, to a power of two, the first
+    finished ones (their tokens are never stored), so a generation runs few row counts; None: no fewer rows."""
+    keep = live.nonzero().view(-1).tolist()
+    size = 1 << max(0, len(keep) - 1).bit_length()
+    if size >= rows:
+        return None
+    dead = [i for i in range(rows) if not live[i]][: size - len(keep)]
+    return sorted(keep + dead)
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids, pad_id: int,
                    temperature: float = 0.0,
                    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
-                   prefill_tokens: int = 16384, compact_share: float = 0.25, decode_step: str = "auto") -> list:
+                   prefill_tokens: int = 16384, compact_share: float = 0.25, decode_step: str = "auto",
+                   session: Optional[BatchSession] = None) -> list:
     """Answer every prompt in one batch -> responses [[token id]] in prompt order, each cut after its
     first stop token (or `max_new_tokens` long).
 
@@ -325,7 +367,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     `decode_step` runs the decode steps (batch_step.py): `model` (the model's forward), `direct` (batch_step's
     direct step), `graph` (that step replayed as CUDA graphs) or `auto` (`graph` on CUDA where it applies,
-    else `model`). A graph that fails to capture falls back to the model's forward, with a warning."""
+    else `model`). A graph that fails to capture falls back to the model's forward, with a warning. Under
+    graphs, finished rows are dropped down to powers of two (few shapes to capture). `session` (a
+    BatchSession) keeps the cache and the step, graphs and all, for the next call; its kind then rules."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -333,7 +377,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if isinstance(generator, (list, tuple)) and len(generator) != len(prompts):
         raise DiffspecError(f"generate_batch: {len(generator)} generators for {len(prompts)} prompts")
     device = _model_device(model)
-    kind = batch_step.choose_kind(decode_step, model)
+    if session is not None and batch_step._graph_failed and session.kind == "graph":
+        session.kind, session.stepper = "model", None  # a capture failed in this process: no more graphs
+    kind = session.kind if session is not None else batch_step.choose_kind(decode_step, model)
     n, width = len(prompts), max(len(p) for p in prompts)
     stop_ids = frozenset(int(s) for s in stop_ids)
     stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
@@ -344,7 +390,10 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         mask[r, width - len(p): width] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-    cache = BatchKVCache(model.config, n, width + max_new_tokens)
+    if session is not None:
+        cache = session.cache_for(n, width + max_new_tokens)
+    else:
+        cache = BatchKVCache(model.config, n, width + max_new_tokens)
     group = max(1, prefill_tokens // width)
     logits = []
     for r0 in range(0, n, group):
@@ -356,9 +405,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     cache.row_range = (0, n)
     cache.advance(width)
     logits = torch.cat(logits)
-    stepper = batch_step.new_step(kind, model, cache)
-    if stepper is not None and stepper.graphs:  # each new row count is a new capture: drop rows in halves
-        compact_share = max(compact_share, 0.5)
+    stepper = session.stepper if session is not None else batch_step.new_step(kind, model, cache)
     rows = list(range(n))                         # prompt index of each live row
     next_pos = positions[:, -1] + 1               # position of the token each row decodes next
     gens = list(generator) if isinstance(generator, (list, tuple)) else generator
@@ -373,9 +420,13 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         n_done = int(done.sum())
         if n_done == len(rows) or step == max_new_tokens - 1:
             break
+        keep_list = None
         if n_done and n_done >= compact_share * len(rows):
-            keep = (~done).nonzero().view(-1)
-            keep_list = keep.tolist()
+            # each row count a graph step meets is a capture: there, rows go in powers of two
+            keep_list = (_bucket_rows(~done, len(rows)) if stepper is not None and stepper.graphs
+                         else (~done).nonzero().view(-1).tolist())
+        if keep_list is not None:
+            keep = torch.tensor(keep_list, device=device)
             cache.keep_rows(keep_list)
             rows = [rows[i] for i in keep_list]
             if isinstance(gens, list):
@@ -759,6 +810,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     else:
         batch = int(batch_size)
     manifest["settings"]["decode_step"] = kind
+    session = BatchSession(model, batch, max_prompt_tokens + max_new_tokens, kind)  # one cache, its graphs kept
     seen = _stored_response_keys(out, manifest)
     hasher = _prompt_hasher(order.prompts[:done])  # prompts_done_sha256, extended chunk by chunk
     chunk_prompts = max(1, shard_sequences // len(temps))
@@ -779,7 +831,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
                     break
             t0 = time.time()
             answers, generated = _answer_chunk(model, order.prompts, done, n, temps, batch, max_new_tokens, stop_ids,
-                                               pad, seed, device, deadline, bar, kind)
+                                               pad, seed, device, deadline, bar, session)
             if answers is None:  # overtaken by the deadline: nothing of this chunk is written
                 break
             seconds = time.time() - t0
@@ -845,7 +897,7 @@ def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "target a
 
 def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch: int, max_new_tokens: int,
                   stop_ids, pad: int, seed: int, device, deadline: Optional[float], bar,
-                  decode_step: str = "model") -> tuple:
+                  session: Optional[BatchSession] = None) -> tuple:
     """Answer prompts[start:start+n] once per temperature -> ({(prompt index, temperature index): response},
     generated tokens), or (None, 0) when the deadline passed before the chunk was done. A batch holds one
     temperature and prompts of similar length (the chunk sorted by length)."""
@@ -859,7 +911,7 @@ def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch:
         temp = temps[items[0][0]]
         gens = [_sample_generator(seed, i, k, device) for k, i in items] if temp > 0 else None
         responses = generate_batch(model, [prompts[i] for _, i in items], max_new_tokens, stop_ids, pad,
-                                   temperature=temp, generator=gens, decode_step=decode_step)
+                                   temperature=temp, generator=gens, session=session)
         for (k, i), resp in zip(items, responses):
             answers[(i, k)] = resp
             generated += len(resp)
