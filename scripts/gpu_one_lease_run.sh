@@ -6,9 +6,9 @@
 #      step, and that step as CUDA graphs (training/batch_step.py, new since the last lease), random weights
 #      of SmolLM2-135M's shape, batches 64 and 512 (benchmarks/gpu_make_data_profile.py, ~1 min);
 #   A2. the target's pass latency, eager against CUDA graphs, at k = 0 and 15 (issue 19: <= 5 ms a pass; the
-#      math-attention fix of the last lease measured on the real target; ~1.5 min with two compiles);
+#      math-attention fix of the last lease measured on the real target; ~2 min with the GGUF's conversion and two compiles);
 #   B. target-generated data (make-data, graphs under `auto`), DATA_S, from the first PROMPTS prompts of the seeded
-#      order (12,000 user turns, ~20 s of rendering on the host, ~2x what 130 s answer at 50k tokens/s), with the
+#      order (12,000 user turns, ~20 s of rendering on the host, ~2x what 110 s answer at 50k tokens/s), with the
 #      CUDA tests beside it (correctness only; A measures the decode step alone, quiet);
 #   C. the conditioned drafter continued from the shipped one at block 16 (it starts where the CPU left it,
 #      tau ~1.4, where a drafter from scratch started at ~1.0 last lease), TRAIN_S, alone (its slots/s and
@@ -24,10 +24,10 @@
 #   run(command="bash scripts/gpu_one_lease_run.sh stash 0", carry=[".gpu/part0", "src/diffspec/weights"])
 #   run(command="bash scripts/gpu_one_lease_run.sh stash 1", carry=[".gpu/part1", ".whl"])
 #   run(command="bash scripts/gpu_one_lease_run.sh start",   carry=[".gpu/part2", ".gpu/rest"])
-#   run(command="bash scripts/gpu_one_lease_run.sh wait 470", timeout_s=500)   # once more if not 'all done'
+#   run(command="bash scripts/gpu_one_lease_run.sh wait 520", timeout_s=560)   # once more if not 'all done'
 #   run(command="bash scripts/gpu_one_lease_run.sh collect")    # records + the new drafter's fp16 weights into $OUT
 #   give_back()
-# Budget: start ~1-2 min, the three carrying calls ~1.5, the job 8, collect 0.5: ~12 of the 15 minutes.
+# Budget: start ~1-2 min, the three carrying calls ~1.5, the job ~8.5, collect 0.5: ~12-13 of the 15 minutes.
 # Dry run on a CPU (the whole job with tiny budgets; checks every command before a lease spends minutes on a typo):
 #   bash scripts/gpu_one_lease_run.sh prepare
 #   G=/tmp/g DEVICE=cpu JOB_S=3600 PROMPTS=48 DATA_S=120 TRAIN_S=60 EVAL_N=1 EVAL_T=32 LAT_KS=0 LAT_S=900 \
@@ -66,13 +66,13 @@ start)
     timeout 120 python3 benchmarks/gpu_make_data_profile.py --device $DEVICE --batches 64 512 ${PROFILE_ARGS:-} \
         --out $G/out/make_data_profile > $G/out/make_data_profile.txt 2>&1 || fail make-data-steps
     step A2-pass-latency
-    timeout ${LAT_S:-120} python3 benchmarks/gpu_pass_latency.py --device $DEVICE --ks ${LAT_KS:-0 15} \
+    timeout ${LAT_S:-150} python3 benchmarks/gpu_pass_latency.py --device $DEVICE --ks ${LAT_KS:-0 15} \
         --variants eager fixed --out $G/out/pass_latency.json > $G/out/pass_latency.txt 2>&1 || fail pass-latency
     step B-make-data
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_cache.py tests/test_batch_step.py -k cuda \
         > $G/out/cuda_tests.txt 2>&1 || fail cuda-tests &
     python3 -m diffspec make-data --out $STORE --corpus $G/corpus.jsonl --device $DEVICE --max-new-tokens 256 \
-        --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-12000} --max-time ${DATA_S:-130} \
+        --max-prompt-tokens 512 --temperatures 0 0.7 --max-prompts ${PROMPTS:-12000} --max-time ${DATA_S:-110} \
         > $G/out/data.txt 2>&1 || fail make-data
     wait
     step C-train
