@@ -30,6 +30,8 @@ def prefilled(model, prompts, capacity):
     for r, p in enumerate(prompts):
         ids[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p): width] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     cache = BatchKVCache(model.config, n, capacity)
     out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=pos, past_key_values=cache, use_cache=True)
@@ -296,7 +298,42 @@ def test_make_data_refuses_a_decode_step_that_cannot_run_before_loading(tmp_path
 def test_cuda_graph_steps_give_the_model_forwards_answers(tokenizer):
     model = make_model(len(tokenizer), seed=0).cuda()
     prompts = prompts_of(1, 10, len(tokenizer))
-    want = generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="model")
-    assert generate_batch(model, prompts, 20, {2, 7}, 0, decode_step="graph") == want
-    assert generate_batch(model, prompts, 20, {2, 7}, 0) == want  # auto: graphs on CUDA
+    want = generate_batch(model, prompts, 20, {2, 19}, 0, decode_step="model")
+    assert generate_batch(model, prompts, 20, {2, 19}, 0, decode_step="graph") == want
+    assert generate_batch(model, prompts, 20, {2, 19}, 0) == want  # auto: graphs on CUDA
+    # through a session (graphs replayed by a second batch), and past a span of 128 positions (new shapes)
+    long_prompts = prompts_of(5, 6, len(tokenizer), longest=120)
+    session = store_mod.BatchSession(model, 10, 256, "graph")
+    for batch in (prompts, long_prompts, prompts):
+        assert (generate_batch(model, batch, 60, {2, 19}, 0, session=session)
+                == generate_batch(model, batch, 60, {2, 19}, 0, decode_step="model"))
+    assert session.stepper is not None and session.stepper.graphs and session.stepper.captured > 1
     assert not batch_step._graph_failed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: run by the GPU scripts on a lent GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_cuda_graph_step_logits_in_the_models_dtype(tokenizer, dtype):
+    """The lease's target runs in float32, a user's may run in bf16: a replayed step's logits stay within the
+    dtype's rounding of the model's forward."""
+    model = make_model(len(tokenizer), seed=0, dtype=dtype).cuda()
+    prompts = prompts_of(3, 6, len(tokenizer))
+    cap = max(map(len, prompts)) + 8
+    ref_cache, ref_mask, ref_pos, ref_logits = prefilled(model, prompts, cap)
+    cache, mask, pos, _ = prefilled(model, prompts, cap)
+    step = batch_step.DecodeStep(model, cache, graphs=True)
+    for _ in range(3):
+        tok = ref_logits.argmax(-1)
+        width = ref_cache.length
+        ref_mask[:, width] = 1
+        mask[:, width] = 1
+        ref_logits = model(input_ids=tok.view(-1, 1), attention_mask=ref_mask[:, : width + 1],
+                           position_ids=ref_pos.view(-1, 1), past_key_values=ref_cache, use_cache=True).logits[:, -1]
+        logits = step.step(tok, pos, mask)
+        tol = 1e-4 if dtype == torch.float32 else 0.05 * float(ref_logits.abs().max())  # a few bf16 ulps
+        assert torch.allclose(logits.float(), ref_logits.float(), atol=tol, rtol=0), (logits - ref_logits).abs().max()
+        for cache_, pos_ in ((ref_cache, ref_pos), (cache, pos)):
+            cache_.advance(1)
+            pos_ += 1
+    assert step.captured == 1
