@@ -199,6 +199,23 @@ def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(mo
     assert batch_step._graph_failed  # `auto` asks for graphs no more in this process
 
 
+def test_a_capture_that_fails_after_its_warm_up_wrote_the_cache_still_gives_the_models_answers(model, tokenizer,
+                                                                                                monkeypatch):
+    """The warm-up run before a capture writes this step's keys and values; a capture failing after it leaves
+    them written, and the model's forward that takes over writes the same position again."""
+    def fails_after_warm_up(run, pool=None):
+        run()  # the warm-up: this step's keys and values written
+        raise RuntimeError("capture failed after the warm-up")
+    monkeypatch.setattr(batch_step, "record", fails_after_warm_up)
+    monkeypatch.setattr(batch_step, "_graph_failed", [])
+    real_choose = batch_step.choose_kind
+    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    prompts = prompts_of(6, 7, len(tokenizer))
+    assert (generate_batch(model, prompts, 16, {2, 19}, 0, decode_step="graph")
+            == generate_batch(model, prompts, 16, {2, 19}, 0, decode_step="model"))
+    assert batch_step._graph_failed
+
+
 def test_the_batch_probe_falls_back_too_and_later_graph_requests_get_the_model(model, monkeypatch, capsys):
     """make-data's batch probe captures the first graph: a capture that fails there falls back as generation
     does (it used to end make-data before its first batch), and `graph` is not asked for again."""
