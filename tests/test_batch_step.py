@@ -39,6 +39,30 @@ def prefilled(model, prompts, capacity):
     return cache, mask, pos[:, -1] + 1, out.logits[:, -1]
 
 
+def steps_beside_the_model(model, prompts, graphs: bool, tolerance, steps: int = 3):
+    """`steps` decode steps of a left-padded batch through the model's forward and through a DecodeStep on a
+    second cache, the same tokens fed to both; each step's logits must agree within tolerance(model's logits)
+    -> (the model's cache, the step's cache, the step)."""
+    cap = max(map(len, prompts)) + 8
+    ref_cache, ref_mask, ref_pos, ref_logits = prefilled(model, prompts, cap)
+    cache, mask, pos, _ = prefilled(model, prompts, cap)
+    step = batch_step.DecodeStep(model, cache, graphs=graphs)
+    for _ in range(steps):
+        tok = ref_logits.argmax(-1)
+        width = ref_cache.length
+        ref_mask[:, width] = 1
+        mask[:, width] = 1
+        ref_logits = model(input_ids=tok.view(-1, 1), attention_mask=ref_mask[:, : width + 1],
+                           position_ids=ref_pos.view(-1, 1), past_key_values=ref_cache, use_cache=True).logits[:, -1]
+        logits = step.step(tok, pos, mask)
+        assert torch.allclose(logits.float(), ref_logits.float(), atol=tolerance(ref_logits), rtol=0), \
+            (logits - ref_logits).abs().max()
+        for cache_, pos_ in ((ref_cache, ref_pos), (cache, pos)):
+            cache_.advance(1)
+            pos_ += 1
+    return ref_cache, cache, step
+
+
 def eager_record(run, pool=None):
     """CUDA graphs' protocol without CUDA: the output is one buffer, rewritten from the captured inputs by each
     replay; like a graph, the recorder never sees the caller's tensors, only the buffers `run` closes over."""
@@ -60,23 +84,8 @@ def test_the_direct_step_computes_the_models_logits(model, tokenizer, monkeypatc
     """Three steps on a left-padded batch: the direct step's logits equal the model's forward's (float64), over
     the exact span and (the graph path, eager stand-in) over positions rounded up to SPAN, unwritten ones masked."""
     monkeypatch.setattr(batch_step, "record", eager_record)
-    prompts = prompts_of(3, 6, len(tokenizer))
-    cap = max(map(len, prompts)) + 8
-    ref_cache, ref_mask, ref_pos, ref_logits = prefilled(model, prompts, cap)
-    cache, mask, pos, logits = prefilled(model, prompts, cap)
-    step = batch_step.DecodeStep(model, cache, graphs=graphs)
-    for _ in range(3):
-        tok = ref_logits.argmax(-1)
-        width = ref_cache.length
-        ref_mask[:, width] = 1
-        mask[:, width] = 1
-        ref_logits = model(input_ids=tok.view(-1, 1), attention_mask=ref_mask[:, : width + 1],
-                           position_ids=ref_pos.view(-1, 1), past_key_values=ref_cache, use_cache=True).logits[:, -1]
-        logits = step.step(tok, pos, mask)
-        assert torch.allclose(logits, ref_logits, atol=1e-10, rtol=0), (logits - ref_logits).abs().max()
-        for cache_, pos_ in ((ref_cache, ref_pos), (cache, pos)):
-            cache_.advance(1)
-            pos_ += 1
+    ref_cache, cache, step = steps_beside_the_model(model, prompts_of(3, 6, len(tokenizer)), graphs,
+                                                    lambda ref: 1e-10)
     for a, b in zip(ref_cache.layers, cache.layers):  # the same keys and values written
         assert torch.allclose(a.keys[:, :, : cache.length], b.keys[:, :, : cache.length], atol=1e-12, rtol=0)
         assert torch.allclose(a.values[:, :, : cache.length], b.values[:, :, : cache.length], atol=1e-12, rtol=0)
@@ -96,10 +105,8 @@ def test_graph_steps_capture_once_per_shape_and_give_the_same_answers(model, tok
     """The graph path with the eager stand-in: inputs go through the captured buffers (a replay that read the
     caller's tensors, or reused a stale buffer, would answer otherwise), rows dropped as they stop (a new row
     count: a new capture), and spans crossing SPAN (another capture)."""
-    monkeypatch.setattr(batch_step, "record", eager_record)
+    graphs_on_cpu(monkeypatch)
     monkeypatch.setattr(batch_step, "SPAN", 8)
-    real_choose = batch_step.choose_kind
-    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
     made = []
     real_init = batch_step.DecodeStep.__init__
 
@@ -119,14 +126,20 @@ def test_graph_steps_capture_once_per_shape_and_give_the_same_answers(model, tok
             == generate_batch(model, prompts, 12, {2}, 0, temperature=0.8, generator=gens(), decode_step="model"))
 
 
-def graph_kind_on_cpu(monkeypatch):
-    """Graph steps on a CPU: the eager stand-in for the graphs, and `graph` accepted as a CUDA model's would be
-    -> the list of (rows, span) shapes captured."""
-    monkeypatch.setattr(batch_step, "record", eager_record)
-    monkeypatch.setattr(batch_step, "SPAN", 8)
+def graphs_on_cpu(monkeypatch, record=None):
+    """`graph` accepted for a CPU model as for a CUDA one, captures through `record` (default: the eager
+    stand-in), and no failure remembered from another test."""
+    monkeypatch.setattr(batch_step, "record", record or eager_record)
     monkeypatch.setattr(batch_step, "_graph_failed", [])
     real_choose = batch_step.choose_kind
     monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+
+
+def graph_kind_on_cpu(monkeypatch):
+    """Graph steps on a CPU: the eager stand-in for the graphs, and `graph` accepted as a CUDA model's would be
+    -> the list of (rows, span) shapes captured."""
+    graphs_on_cpu(monkeypatch)
+    monkeypatch.setattr(batch_step, "SPAN", 8)
     shapes = []
     real_capture = batch_step.DecodeStep._capture
 
@@ -188,10 +201,7 @@ def test_make_data_runs_its_batches_through_one_session(tmp_path, monkeypatch, t
 def test_a_graph_that_fails_to_capture_falls_back_to_the_model_with_a_warning(model, tokenizer, monkeypatch, capsys):
     def broken(run, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(batch_step, "record", broken)
-    monkeypatch.setattr(batch_step, "_graph_failed", [])
-    real_choose = batch_step.choose_kind
-    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    graphs_on_cpu(monkeypatch, broken)
     prompts = prompts_of(2, 5, len(tokenizer))
     assert (generate_batch(model, prompts, 10, {2}, 0, decode_step="graph")
             == generate_batch(model, prompts, 10, {2}, 0, decode_step="model"))
@@ -206,10 +216,7 @@ def test_a_capture_that_fails_after_its_warm_up_wrote_the_cache_still_gives_the_
     def fails_after_warm_up(run, pool=None):
         run()  # the warm-up: this step's keys and values written
         raise RuntimeError("capture failed after the warm-up")
-    monkeypatch.setattr(batch_step, "record", fails_after_warm_up)
-    monkeypatch.setattr(batch_step, "_graph_failed", [])
-    real_choose = batch_step.choose_kind
-    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    graphs_on_cpu(monkeypatch, fails_after_warm_up)
     prompts = prompts_of(6, 7, len(tokenizer))
     assert (generate_batch(model, prompts, 16, {2, 19}, 0, decode_step="graph")
             == generate_batch(model, prompts, 16, {2, 19}, 0, decode_step="model"))
@@ -240,10 +247,7 @@ def test_the_batch_probe_falls_back_too_and_later_graph_requests_get_the_model(m
 def test_out_of_memory_in_a_graph_step_is_not_taken_for_a_failed_capture(model, tokenizer, monkeypatch):
     def oom(run, pool=None):
         raise torch.OutOfMemoryError("CUDA out of memory")
-    monkeypatch.setattr(batch_step, "record", oom)
-    monkeypatch.setattr(batch_step, "_graph_failed", [])
-    real_choose = batch_step.choose_kind
-    monkeypatch.setattr(batch_step, "choose_kind", lambda kind, m: "graph" if kind == "graph" else real_choose(kind, m))
+    graphs_on_cpu(monkeypatch, oom)
     with pytest.raises(torch.OutOfMemoryError):  # the batch probe's to catch: a smaller batch, not graphs off
         generate_batch(model, prompts_of(2, 3, len(tokenizer)), 5, {2}, 0, decode_step="graph")
     assert not batch_step._graph_failed
@@ -335,22 +339,6 @@ def test_cuda_graph_step_logits_in_the_models_dtype(tokenizer, dtype):
     """The lease's target runs in float32, a user's may run in bf16: a replayed step's logits stay within the
     dtype's rounding of the model's forward."""
     model = make_model(len(tokenizer), seed=0, dtype=dtype).cuda()
-    prompts = prompts_of(3, 6, len(tokenizer))
-    cap = max(map(len, prompts)) + 8
-    ref_cache, ref_mask, ref_pos, ref_logits = prefilled(model, prompts, cap)
-    cache, mask, pos, _ = prefilled(model, prompts, cap)
-    step = batch_step.DecodeStep(model, cache, graphs=True)
-    for _ in range(3):
-        tok = ref_logits.argmax(-1)
-        width = ref_cache.length
-        ref_mask[:, width] = 1
-        mask[:, width] = 1
-        ref_logits = model(input_ids=tok.view(-1, 1), attention_mask=ref_mask[:, : width + 1],
-                           position_ids=ref_pos.view(-1, 1), past_key_values=ref_cache, use_cache=True).logits[:, -1]
-        logits = step.step(tok, pos, mask)
-        tol = 1e-4 if dtype == torch.float32 else 0.05 * float(ref_logits.abs().max())  # a few bf16 ulps
-        assert torch.allclose(logits.float(), ref_logits.float(), atol=tol, rtol=0), (logits - ref_logits).abs().max()
-        for cache_, pos_ in ((ref_cache, ref_pos), (cache, pos)):
-            cache_.advance(1)
-            pos_ += 1
+    tolerance = (lambda ref: 1e-4) if dtype == torch.float32 else (lambda ref: 0.05 * float(ref.abs().max()))  # bf16 ulps
+    _, _, step = steps_beside_the_model(model, prompts_of(3, 6, len(tokenizer)), True, tolerance)
     assert step.captured == 1

@@ -160,7 +160,7 @@ class DecodeStep:
 
     def _capture(self, tokens, positions, valid, at, span) -> tuple:
         inputs = tuple(t.clone() for t in (tokens, positions, valid, at))
-        if self._pool is None and self.graphs and torch.cuda.is_available():
+        if self._pool is None and torch.cuda.is_available():
             self._pool = torch.cuda.graph_pool_handle()
         replay, logits = record(lambda: self._compute(*inputs, span), self._pool)
         global captures
@@ -174,8 +174,8 @@ def record(run, pool=None) -> tuple:
     Run once first, off the capture (the allocator and cuBLAS set up): `run` is the step about to be replayed,
     so that run writes the very keys and values the replay writes again. Captured with the graph's own calls,
     not `torch.cuda.graph`, whose entry collects Python's garbage and empties the allocator's cache at every
-    capture (tens of captures a generation). `pool`: a memory pool the graphs of one generation share; safe
-    since each replay's output is read before the next replay of any of them."""
+    capture. `pool`: the memory pool one DecodeStep's graphs share; safe since each replay's output is read
+    before the next replay of any of them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
