@@ -129,7 +129,38 @@ def test_where_the_kernel_timed_slower_the_bf16_pass_keeps_torch_matmuls(target,
     drafter.attach(target)
     weights = drafter._weights.current(drafter.model)
     assert isinstance(weights.layers[0].qkv, torch.Tensor) and isinstance(drafter._head_matrix, torch.Tensor)
-    assert drafter.cost_signature() == "lean pass 1 (torch matmuls)"
+    assert drafter.cost_signature() == "lean pass 2 (torch matmuls)"
+
+
+def test_a_bf16_drafter_keeps_its_context_in_float32_and_runs_no_bf16_attention_product(target, monkeypatch):
+    """On a CPU a bf16 bmm goes to oneDNN, which builds a kernel for each new shape, and the context grows every
+    round (~0.3-1 ms a call where the float32 product takes ~0.14): the keys and values are kept in float32, as
+    the bf16 values the pass computed (so no score changes), and attention multiplies in float32."""
+    monkeypatch.setattr(CP.bf16_linear, "faster_here", lambda weights, rows: False)
+    drafter = conditioned_for(target, layers=2, block_size=4)
+    drafter.compute_dtype = "bfloat16"
+    drafter.attach(target)
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16
+    products = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: products.append((a.dtype, b.dtype)) or bmm(a, b))
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(30, drafter.model.fc.in_features, generator=g)
+    tokens = torch.randint(4, 50, (31,), generator=g)
+    drafter.begin(None)
+    n = 0
+    for step in (20, 1, 3, 6):
+        drafter.observe(features[n:n + step], n)
+        n += step
+        logits = drafter.block_logits(tokens[: n + 1])
+        assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    cache = drafter._cache
+    assert cache.dtype == torch.float32 and cache.length == n
+    for stored in cache.keys + cache.values:
+        held = stored[:, :n]
+        assert torch.equal(held, held.bfloat16().float())  # bf16 values, stored wider
+    assert products and all(dtypes == (torch.float32, torch.float32) for dtypes in products)
+    assert CP.cache_dtype(torch.float64) == torch.float64 and CP.cache_dtype(torch.float32) == torch.float32
 
 
 def test_the_cache_buffers_are_inference_tensors_when_made_and_when_grown():

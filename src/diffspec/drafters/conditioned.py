@@ -34,8 +34,8 @@ from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from ..timing import median_ms
 from .compile_choice import CompilesPasses
-from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, context_into_cache,
-                               matmul, uses_kernel)
+from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, cache_dtype,
+                               context_into_cache, matmul, uses_kernel)
 from .dtype_choice import ChoosesDtype
 
 
@@ -312,7 +312,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
     def begin(self, prompt_ids) -> None:
         param = next(self.model.parameters())
-        if getattr(self, "_cache", None) is not None and self._cache.dtype == param.dtype \
+        if getattr(self, "_cache", None) is not None and self._cache.dtype == cache_dtype(param.dtype) \
                 and self._cache.keys[0].device == param.device:
             self._cache.length = 0  # the buffers are reused: a new request overwrites them from position 0
         else:
@@ -396,7 +396,9 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def cost_signature(self) -> str:
         weights = self._weights.current(self.model)
         kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
-        return f"lean pass 1 ({kernel})"  # the reference module pass before (52bd839): ~2x the time a round
+        # 1: 52bd839's lean pass (the reference module pass before it: ~2x the time a round); 2: context keys and
+        # values kept in float32 (cache_dtype), attention's products in float32
+        return f"lean pass 2 ({kernel})"
 
     def describe(self) -> str:
         dtype = self._dtype_text()

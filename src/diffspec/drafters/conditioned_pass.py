@@ -37,13 +37,25 @@ from torch import nn
 from .. import bf16_linear
 
 
+def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """What a model of `model_dtype` keeps its context keys and values in: attention's own dtype (float32, or
+    float64 for a float64 model). A bf16 model's keys and values are bf16 values, so storing them wider changes
+    no score. What it saves is attention's second product on a CPU: a bf16 bmm goes to oneDNN, which builds (JIT)
+    a kernel for each new shape, and the context grows every round: ~300 us to 1 ms a call where the same
+    product with a cached kernel takes ~80 us, against ~140 us for MKL's float32 bmm at any length
+    (benchmarks/results/issue16_training/drafter_round/)."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
 class ContextCache:
-    """Keys/values [kv_heads, capacity, head_dim] per layer for positions 0..length-1, position-indexed.
-    Positions past `length` are scratch (the block's own keys and values during a pass)."""
+    """Keys/values [kv_heads, capacity, head_dim] per layer for positions 0..length-1, position-indexed, in
+    `cache_dtype(dtype)` for a model of `dtype`. Positions past `length` are scratch (the block's own keys and
+    values during a pass)."""
 
     @torch.inference_mode()  # buffers made here and in reserve() alike: a compiled graph guards on the kind
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
         self.shape = (kv_heads, head_dim)
+        dtype = cache_dtype(dtype)
         self.keys = [torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty_like(k) for k in self.keys]
         self.length = 0
@@ -199,17 +211,17 @@ def context_into_cache(model: nn.Module, weights: PassWeights, cache: ContextCac
     for i, w in enumerate(weights.layers):
         k, v = matmul(ctx, w.kv).view(m, 2, kv_heads, d).unbind(1)
         k = _rotate(rms_norm(k, w.k_norm, cfg.rms_norm_eps), cos, sin)
-        cache.keys[i].index_copy_(1, positions, k.transpose(0, 1))
-        cache.values[i].index_copy_(1, positions, v.transpose(0, 1))
+        cache.keys[i].index_copy_(1, positions, k.transpose(0, 1).to(cache.dtype))
+        cache.values[i].index_copy_(1, positions, v.transpose(0, 1).to(cache.dtype))
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v with no mask, scores and softmax in float32 (float64 for float64): two bmm calls
-    ran 1.5-1.6x faster than CPU SDPA at a block's 24 rows over 100-1000 keys in bf16, as accurate (max error
-    against float64 0.0014 vs SDPA's 0.0010 at 300 keys; bf16 scores: 0.0025)."""
-    sums = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.bmm(q.to(sums), keys.transpose(1, 2).to(sums)) * scale  # bf16 scores would round each q.k
-    return torch.bmm(torch.softmax(scores, -1).to(q.dtype), values)
+    """softmax(q k^T * scale) v with no mask, in the cache's dtype (float32, float64 for float64: bf16 scores
+    would round each q.k), returned in q's dtype: two bmm calls ran 1.5-1.6x faster than CPU SDPA at a block's
+    24 rows over 100-1000 keys in bf16, as accurate (max error against float64 0.0014 vs SDPA's 0.0010 at 300
+    keys; bf16 scores: 0.0025)."""
+    scores = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2)) * scale
+    return torch.bmm(torch.softmax(scores, -1).to(values.dtype), values).to(q.dtype)
 
 
 def block_hidden(model: nn.Module, weights: PassWeights, cache: ContextCache, x: torch.Tensor,
