@@ -153,6 +153,38 @@ def test_it_runs_only_the_widths_where_every_layer_runs_packed(packed, monkeypat
         K.install(model, every_bucket_packed(model))
 
 
+def test_a_change_of_routing_between_steps_is_seen_by_the_very_next_pass(packed, monkeypatch):
+    """The fused call keeps each width's packs with packed_linear's routing epoch (FusedLayers._packs), so every
+    way of routing or packing a model's linear layers must move it: stock kernels (F.linear, as transformers)
+    entered and left, the routing taken off and put back, the layers packed again. (Only the fused pass runs until
+    the end: a second LlamaPass over the same layers stacks their packs its own way, which moves the epoch too.)"""
+    model, plan = packed
+    fused, ops = passes(model, plan)
+    calls = record_fused_calls(monkeypatch)
+    cache = new_cache(model.config)
+    ids = [[3, 4, 5], [6], [7], [8], [9], [10], [11]]
+    logits = []
+    try:
+        step = iter(ids)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)  # packs of 3 rows and of 1 kept
+        with K.stock_kernels(model):
+            logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+        K.uninstall(model)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+        K.install(model, plan)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+        P.pack_model(model)  # new packs, the same values (a weight changed and packed again: the test above)
+        logits.append(fused.forward(torch.tensor([next(step)]), cache).logits)
+    finally:
+        K.install(model, plan)
+    assert [used for _, used in calls] == [True, True, False, True, False, True, True]
+    theirs = new_cache(model.config)
+    for x, got in zip(ids, logits):
+        close(got, ops.forward(torch.tensor([x]), theirs).logits)
+
+
 def test_models_it_cannot_take_keep_the_torch_operations():
     model = coded_model()
     P.pack_model(model)

@@ -266,6 +266,30 @@ def test_reserve_preallocates_and_keeps_what_is_held():
         cache.layers[0].crop(3)
 
 
+def test_positional_views_follow_the_length_whoever_moved_it():
+    """keys/values are cut when read (the fused layers advance every layer's length in one C call and read none of
+    them): after advance, crop, update, reserve and reset a read sees exactly positions [0, length); a view assigned
+    directly (as some transformers helpers do) holds until the length next changes."""
+    layer = PositionalLayer(capacity=4)
+    assert layer.keys is None and layer.values is None  # before the first pass, as transformers' layers
+    k = torch.arange(2 * 3 * 8, dtype=torch.float32).view(1, 2, 3, 8)
+    layer.update(k, k + 0.5)
+    assert layer.keys.shape[-2] == 3 and torch.equal(layer.values, k + 0.5)
+    layer.reserve(10)  # written in place past the length by a caller, then recorded
+    layer._keys[:, :, 3:5] = 7.0
+    layer.advance(2)
+    assert layer.keys.shape[-2] == 5 and torch.equal(layer.keys[:, :, 3:], torch.full((1, 2, 2, 8), 7.0))
+    assert layer.keys.data_ptr() == layer._keys.data_ptr()  # a view of the buffer, no copy
+    layer.crop(-4)
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == 1
+    layer.keys = "assigned"
+    assert layer.keys == "assigned"
+    layer.advance(1)
+    assert layer.keys.shape[-2] == 2
+    layer.reset()
+    assert layer.keys.shape[-2] == 0 and layer.get_seq_length() == 0
+
+
 # --- only the logits that are read --------------------------------------------------------------
 def test_logits_of_rows_equal_the_full_rows_with_and_without_logits_to_keep():
     from diffspec.drafters.denoising import logits_of_rows

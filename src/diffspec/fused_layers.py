@@ -99,8 +99,17 @@ class FusedLayers:
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
         self._q8 = False         # whether the table's packs are q8_linear.c's layout (`--kernels q8`)
+        self._kept: dict = {}    # row count -> (its packs, what they were found from): _packs
 
     def _packs(self, rows: int) -> Optional[list]:
+        """Every layer's four packs at this row count (None: one of them is not packed at it). What `packed_for`
+        answers depends only on each linear layer's own `forward` and `packed_weight` (their routing and their pack),
+        and every function that changes either moves packed_linear's routing epoch: so a row count's answer is kept
+        with the epoch it was found in and given again while the epoch stands (asking the 120 groups again cost
+        ~0.3 ms of a ~9 ms step: their 210 layers' attributes, out of cache after the weights stream through)."""
+        kept = self._kept.get(rows)
+        if kept is not None and kept[0] == packed_linear.routing_epoch():
+            return kept[1]
         packs = []
         for layer in self.layers:
             for group in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
@@ -108,6 +117,7 @@ class FusedLayers:
                 if pack is None:
                     return None
                 packs.append(pack)
+        self._kept[rows] = (packed_linear.routing_epoch(), packs)  # read after: asking may stack packs (an epoch)
         return packs
 
     def _table_for(self, packs: list, cache_layers) -> Optional[torch.Tensor]:
@@ -116,7 +126,7 @@ class FusedLayers:
         a norm's weight or a cache buffer is not the very tensor it was built from; all of them are held meanwhile,
         so no address in it can be freed."""
         held = self._held
-        if held and all(a is b for a, b in zip(held[0], packs)) \
+        if held and (held[0] is packs or all(a is b for a, b in zip(held[0], packs))) \
                 and all(c._keys is k and c._values is v for c, (k, v) in zip(cache_layers, held[1])) \
                 and all(p["weight"] is w for p, w in zip(self._norm_params, held[2])):
             return self._table

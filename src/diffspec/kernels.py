@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from . import q8_linear
 from .errors import DiffspecError
-from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear
+from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear, routing_changed
 from .packed_linear import unavailable as packed_unavailable
 from .timing import median_seconds
 
@@ -307,6 +307,7 @@ def install(model: torch.nn.Module, plan: LinearPlan) -> int:
         for mod in mods:
             mod.forward = _routed_forward(mod, shape, plan)
             routed += 1
+    routing_changed()
     return routed
 
 
@@ -314,6 +315,7 @@ def uninstall(model: torch.nn.Module) -> None:
     for mods in linear_groups(model).values():
         for mod in mods:
             mod.__dict__.pop("forward", None)
+    routing_changed()
 
 
 @contextmanager
@@ -324,12 +326,14 @@ def stock_kernels(model: torch.nn.Module):
 
     routed = {mod: mod.__dict__.pop("forward") for mods in linear_groups(model).values() for mod in mods
               if "forward" in mod.__dict__}
+    routing_changed()
     gqa = attention.uninstall(model)
     try:
         yield model
     finally:
         for mod, forward in routed.items():
             mod.forward = forward
+        routing_changed()
         if gqa:
             attention.install(model)
 

@@ -45,7 +45,7 @@ from .attention import GQA_SDPA
 from .cache import PositionalLayer
 from .fused_layers import FusedLayers
 from .kernels import ROW_BUCKETS
-from .packed_linear import PackedWeight, current_pack
+from .packed_linear import PackedWeight, current_pack, routing_changed
 from .q8_linear import Q8Weight, run_pack
 
 
@@ -156,6 +156,7 @@ class _SameInput:
             packs = tuple(_rows_of(stacked, end - p.shape[0], end, p.source) for p, end in zip(packs, ends))
             for mod, view in zip(self.mods, packs):
                 mod.packed_weight = view
+            routing_changed()
         else:
             packs = tuple(getattr(m, "packed_weight", None) for m in self.mods)
         self.state = (packs, stacked)

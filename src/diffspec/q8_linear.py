@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from .packed_linear import (BLOCK, NATIVE, KernelUnavailable, PackedWeight, _run_kernel, compile_and_load,
+                            routing_changed,
                             linear_groups, pack_model)
 
 SOURCE = Path(__file__).with_name("q8_linear.c")
@@ -208,4 +209,5 @@ def pack_model_q8(model: torch.nn.Module, quiet: bool = True) -> list:
             if id(packed) not in seen:
                 seen[id(packed)] = dataclasses.replace(packed, q8=Q8Weight.of(packed))
             mod.packed_weight = seen[id(packed)]
+    routing_changed()
     return []
