@@ -219,3 +219,24 @@ def test_a_row_left_without_candidates_takes_the_fp32_argmax(monkeypatch):
 
     monkeypatch.setattr(G, "candidates", without_row_one)
     assert torch.equal(screen(h, w), F.linear(h, w).argmax(-1))
+
+
+def test_a_packed_head_is_never_screened_so_every_width_chooses_as_a_one_row_step(monkeypatch):
+    """The packed kernel's logits are bitwise the same at every width, so their argmax is plain decoding's choice;
+    the screen chooses the exact products' argmax, which differs from it where two tokens are closer than fp32's
+    rounding (12 of 2,762 one-row steps of SmolLM2 had such a pair within the bound). A plan that would screen a
+    width the head runs packed (cached before this rule, or measured) is cut back to the widths it does not."""
+    from test_packed_linear import coded_model, every_bucket_packed
+
+    model = coded_model()
+    packed = every_bucket_packed(model)
+    head = tuple(model.lm_head.weight.shape)
+    some = dict(packed.packed_rows)
+    some[head] = frozenset({1, 2, 3, 4})  # the head packed up to 4 rows; 8 and 48 run F.linear / mm
+    screening = K.LinearPlan(packed_rows=some, head_rows=frozenset({2, 8, 48}))
+    assert K.unscreened_where_packed(screening, model).head_rows == {8, 48}
+    every = K.LinearPlan(packed_rows=packed.packed_rows, head_rows=frozenset({2, 8, 48}))
+    assert K.unscreened_where_packed(every, model).head_rows == frozenset()
+    monkeypatch.setattr(K, "cached_plan", lambda model, quiet=False: screening)
+    assert K.plan_for_mode(model, "auto").head_rows == {8, 48}  # a cached plan passes through the rule
+    assert K.plan_for_mode(model, "multi-row").head_rows == {8, 48}
