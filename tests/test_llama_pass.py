@@ -179,3 +179,22 @@ def test_greedy_speculation_through_the_direct_pass_with_packed_kernels_equals_p
         engine = SpeculativeEngine(target, drafter, make_policy("fixed", gamma=gamma))
         assert engine.generate(prompt, max_new_tokens=40, stop_token_ids=[]).token_ids == plain
     K.uninstall(target.model)
+
+
+def test_layer_outputs_read_as_transformers_hidden_states_and_gather_the_layers_asked():
+    """The fused call's hidden states (LP.LayerOutputs) index, slice and iterate as the tuple transformers gives (the
+    embeddings, each layer's output, the last one normed), and rows_of gathers chosen layers as the target's cat did."""
+    g = torch.Generator().manual_seed(0)
+    emb, outputs, normed = torch.randn(1, 3, 8, generator=g), torch.randn(5, 3, 8, generator=g), torch.randn(1, 3, 8)
+    hs = LP.LayerOutputs(emb, outputs)
+    hs[-1] = normed
+    want = (emb, *(outputs[i].unsqueeze(0) for i in range(4)), normed)
+    assert len(hs) == len(want) == 6
+    assert all(torch.equal(a, b) for a, b in zip(hs, want))
+    assert torch.equal(hs[-2], want[-2]) and all(torch.equal(a, b) for a, b in zip(hs[1:4], want[1:4]))
+    with pytest.raises(IndexError):
+        hs[6]
+    for layers, n in (((0, 2, 3), 3), ((1,), 2)):
+        got = hs.rows_of(layers, n)
+        assert torch.equal(got, torch.cat([want[i + 1][0, :n] for i in layers], dim=-1))
+    assert hs.rows_of((4,), 3) is None  # the last layer's entry is the final norm's output, not the buffer's

@@ -34,6 +34,7 @@ transformers' forward as before.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -84,6 +85,44 @@ def _head_dim(cfg) -> int:
 
 
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+
+
+class LayerOutputs(Sequence):
+    """A pass's hidden states as transformers gives them (the embeddings [1, n, D], each layer's output, the last one
+    normed) over the fused call's buffer of every layer's output [L, n, D], without a tensor per layer until one is
+    read: a pass that returns hidden states for a conditioned drafter reads three of 31 (`rows_of`), and making the
+    31 views cost ~0.1 ms a step."""
+
+    def __init__(self, embeddings: torch.Tensor, outputs: torch.Tensor):
+        self.embeddings, self.outputs, self.last = embeddings, outputs, None  # last: the final norm's output, set by _head
+
+    def __len__(self) -> int:
+        return self.outputs.shape[0] + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i == 0:
+            return self.embeddings
+        if i == len(self) - 1 and self.last is not None:
+            return self.last
+        return self.outputs[i - 1].unsqueeze(0)
+
+    def __setitem__(self, i, value) -> None:
+        if i not in (-1, len(self) - 1):
+            raise IndexError("only the last entry (the final norm's output) is set")
+        self.last = value
+
+    def rows_of(self, layers, n: int) -> Optional[torch.Tensor]:
+        """torch.cat([self[i + 1][0, :n] for i in layers], -1) as one gather ([n, len(layers) * D], a copy), or None
+        where a layer asked for is the last (its entry is the final norm's output, not the buffer's)."""
+        if any(not 0 <= i < self.outputs.shape[0] - 1 for i in layers):
+            return None
+        picked = self.outputs[list(layers), :n]  # [len(layers), n, D], a copy
+        return picked.transpose(0, 1).reshape(n, -1)
 
 
 def cache_applies(cache, num_layers: int) -> bool:
@@ -245,7 +284,7 @@ class LlamaPass:
             if self.fused is not None and input_ids.shape[0] == 1 else None
         if fused is not None:
             last, outputs = fused
-            hidden = [h, *(outputs[i].unsqueeze(0) for i in range(outputs.shape[0]))] if outputs is not None else None
+            hidden = LayerOutputs(h, outputs) if outputs is not None else None
             return self._head(last.unsqueeze(0), hidden, logits_to_keep)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if n == 1:
@@ -296,4 +335,5 @@ class LlamaPass:
         else:
             kept = h[:, logits_to_keep, :]
         logits = self.head.forward(kept) if kept.shape[1] else h.new_empty(1, 0, self.head.weight.shape[0])
-        return SimpleNamespace(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
+        return SimpleNamespace(logits=logits, hidden_states=hidden if isinstance(hidden, LayerOutputs)
+                               else tuple(hidden) if hidden is not None else None)

@@ -414,7 +414,10 @@ class Target(TargetBase):
         if hidden_layers:
             # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]. torch.cat
             # copies, which a CUDA graph's outputs need (its next replay overwrites them): keep it a copy
-            hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
+            rows_of = getattr(out.hidden_states, "rows_of", None)  # the fused call's buffer (llama_pass.LayerOutputs)
+            hidden = rows_of(hidden_layers, n) if rows_of is not None else None
+            if hidden is None:
+                hidden = torch.cat([out.hidden_states[i + 1][0, :n] for i in hidden_layers], dim=-1)
         rows = (out.hidden_states[-1] if screen else out.logits)[0, :n]
         if width is not None and self.fixed_cache:
             rows = rows.clone()  # a CUDA graph's outputs are overwritten by its next replay
