@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .packed_linear import NATIVE, KernelUnavailable, compile_and_load
+from .packed_linear import NATIVE, KernelUnavailable, compile_and_load, routing_changed
 
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 TILE = 16
@@ -231,6 +231,7 @@ def install(model: torch.nn.Module, rows: int = 16) -> int:
             mod.bf16_packed = (packed, state)
             mod.forward = types.MethodType(_routed_forward, mod)
             routed += 1
+    routing_changed()  # (a bf16 model's layers: never a fused float32 target's, but the epoch is the rule)
     return routed
 
 
