@@ -99,7 +99,8 @@ class FusedLayers:
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
         self._q8 = False         # whether the table's packs are q8_linear.c's layout (`--kernels q8`)
-        self._kept: dict = {}    # row count -> (its packs, what they were found from): _packs
+        self._kept: dict = {}    # row count -> its packs, found in routing epoch _kept_epoch (_packs)
+        self._kept_epoch = -1
 
     def _packs(self, rows: int) -> Optional[list]:
         """Every layer's four packs at this row count (None: one of them is not packed at it). What `packed_for`
@@ -107,9 +108,11 @@ class FusedLayers:
         and every function that changes either moves packed_linear's routing epoch: so a row count's answer is kept
         with the epoch it was found in and given again while the epoch stands (asking the 120 groups again cost
         ~0.3 ms of a ~9 ms step: their 210 layers' attributes, out of cache after the weights stream through)."""
-        kept = self._kept.get(rows)
-        if kept is not None and kept[0] == packed_linear.routing_epoch():
-            return kept[1]
+        epoch = packed_linear.routing_epoch()
+        if epoch != self._kept_epoch:  # routing or packs changed: nothing kept holds (nor holds old packs alive)
+            self._kept, self._kept_epoch = {}, epoch
+        if rows in self._kept:
+            return self._kept[rows]
         packs = []
         for layer in self.layers:
             for group in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
@@ -117,7 +120,8 @@ class FusedLayers:
                 if pack is None:
                     return None
                 packs.append(pack)
-        self._kept[rows] = (packed_linear.routing_epoch(), packs)  # read after: asking may stack packs (an epoch)
+        if packed_linear.routing_epoch() == epoch:  # (asking may have stacked packs again: then ask next time too)
+            self._kept[rows] = packs
         return packs
 
     def _table_for(self, packs: list, cache_layers) -> Optional[torch.Tensor]:
