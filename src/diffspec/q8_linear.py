@@ -28,8 +28,7 @@ from typing import Optional
 import torch
 
 from .packed_linear import (BLOCK, NATIVE, KernelUnavailable, PackedWeight, _run_kernel, compile_and_load,
-                            routing_changed,
-                            linear_groups, pack_model)
+                            linear_groups, pack_model, routing_changed)
 
 SOURCE = Path(__file__).with_name("q8_linear.c")
 

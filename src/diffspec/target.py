@@ -296,8 +296,8 @@ class Target(TargetBase):
             self.greedy_head_note = "--kernels q8: the head's own 8-bit-activation logits, no bf16 screen"
         elif not self.linear_plan.timings_us.get("greedy_head"):
             self.greedy_head_note = "not timed: it needs a float32 head and native bf16 matmuls"
-        elif kern.output_head(model) is not None and \
-                self.linear_plan.packed_rows.get(tuple(kern.output_head(model).weight.shape)):
+        elif (head := kern.output_head(model)) is not None and \
+                self.linear_plan.packed_rows.get(tuple(head.weight.shape)):
             self.greedy_head_note = "the head runs packed: its logits' argmax is a one-row step's at every width " \
                                     "(kernels.unscreened_where_packed)"
         if not screen_greedy_head:
