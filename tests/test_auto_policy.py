@@ -11,11 +11,13 @@ from helpers import RandomDrafter, ScriptedDrafter
 from diffspec import AutoregressiveDrafter, FixedPolicy, PromptLookupDrafter, SpeculativeEngine, Target
 from diffspec.costs import CostTable, DraftCost, fit_draft_cost
 from diffspec.drafters import CombinedDrafter
+from diffspec.drafters.base import DrafterCapabilities
 from diffspec.drafter_names import make_drafter
 from diffspec.errors import DiffspecError
 from diffspec.policies import AutoPolicy, LengthPolicy, make_policy
 from diffspec.policies.acceptance import AcceptanceCounts, AcceptanceModel
 from diffspec.policies.choice import best_length, expected_emitted, round_rates
+from diffspec.types import Draft
 
 FLAT = CostTable(ks=(0, 64), contexts=(1,), verify_s=((1.0, 1.0),))            # a GPU: k tokens cost one
 STEEP = CostTable(ks=(0, 1, 64), contexts=(1,), verify_s=((1.0, 3.0, 60.0),))  # k = 1 costs 3 plain steps
@@ -154,6 +156,17 @@ def test_acceptance_depends_on_position_as_well_as_confidence():
     assert first == pytest.approx(0.4, abs=0.1) and later > 0.9
 
 
+def test_estimates_for_a_whole_draft_equal_the_token_by_token_ones():
+    model = AcceptanceModel()
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        model.update(list(rng.random(6)), accepted=int(rng.integers(0, 7)))
+    model.begin_request()
+    model.update([0.55, 0.9, 0.1], accepted=1)
+    for confidences in ([0.5] * 40, list(rng.random(30)), [], [1.0, 0.0, 0.999, 0.05]):
+        assert model.by_confidences(confidences) == [model.by_confidence(c, i) for i, c in enumerate(confidences)]
+
+
 def test_acceptance_counts_judge_only_up_to_the_first_rejection():
     counts = AcceptanceCounts()
     counts.add([0.9, 0.9, 0.9, 0.9], accepted=1)
@@ -190,6 +203,140 @@ def test_a_drafter_that_is_never_right_is_switched_off_and_probed(target, tiny_m
     assert drafter.calls == result.num_rounds - off  # an off round never calls the drafter
     assert 2 <= drafter.calls < 0.3 * result.num_rounds  # but it is probed again now and then
     assert result.stats_dict()["speculation_off_rounds"] == off
+
+
+class WrongReader(SlowRandomDrafter):
+    """Never right, costly, and reads the target's hidden states: checks it got every position before each
+    proposal, in order (a gap would mean the engine stopped feeding a drafter that still runs)."""
+
+    name = "wrong-reader"
+    target_layer_ids = (0, 1)
+
+    def __init__(self, vocab_size, seed=3):
+        super().__init__(vocab_size, seed=seed)
+        self.capabilities = DrafterCapabilities(needs_target_hidden_states=True)
+
+    def begin(self, prompt_ids):
+        self.seen = 0
+
+    def observe(self, hidden, start):
+        assert start == self.seen, (start, self.seen)
+        self.seen += hidden.shape[0]
+
+    def propose(self, context, policy, limit, sampling, generator):
+        assert self.seen == context.shape[0] - 1, (self.seen, context.shape[0])
+        return super().propose(context, policy, limit, sampling, generator)
+
+
+def spy_hidden_layers(target):
+    """Records, per target pass, whether hidden states were asked for."""
+    asked, forward = [], target.forward
+
+    def spy(ids, hidden_layers=(), **kw):
+        asked.append(bool(hidden_layers))
+        return forward(ids, hidden_layers=hidden_layers, **kw)
+    target.forward = spy
+    return asked
+
+
+SLOW_STEP = CostTable(ks=(0, 1, 64), contexts=(1,), verify_s=((0.2, 0.22, 1.0),))  # a plain step of 200 ms
+
+
+class RareCopies(ScriptedDrafter):
+    """Like prompt lookup on chat: most runs find nothing (2.5 ms each: over 1% of a SLOW_STEP step, under 2%),
+    every 16th finds the target's next token (12 ms)."""
+
+    name = "rare-copies"
+
+    def __init__(self, full):
+        super().__init__(full, confidence=0.9)
+        self.calls = 0
+
+    def propose(self, context, policy, limit, sampling, generator):
+        import time
+
+        self.calls += 1
+        if self.calls % 16:
+            time.sleep(0.0025)
+            return Draft.empty()
+        time.sleep(0.012)
+        return super().propose(context, policy, limit, sampling, generator).prefix(1)
+
+
+def test_a_drafter_whose_runs_are_cheap_runs_every_greedy_round(target, tiny_model):
+    """Judged by a drafted token's cost (12 ms, 6% of a step) it is not cheap, and the rounds in which it finds
+    nothing (emitted 1 for 1.0125 steps) switch it off after ~10 of them, so it misses later copies; what a run
+    costs on average (without the slowest tenth: 2.5 ms) is under 2% of a step, so it runs every round."""
+    prompt, n = [5, 6, 7], 80
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    drafter = RareCopies(full)
+    policy = AutoPolicy(costs=SLOW_STEP, calibrate=False)
+    engine = SpeculativeEngine(target, drafter, policy)
+    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == full[3:]
+    assert result.speculation_off_rounds == 0
+    assert drafter.calls == result.num_rounds - 1  # every round but the last (one token left: the target's own)
+    assert policy.sources["rare-copies"].draft_cost(1) > 0.02 * 0.2 > policy.sources["rare-copies"].look_cost
+
+
+def test_a_reader_that_never_pays_is_retired_and_the_target_stops_computing_its_hidden_states(target, tiny_model,
+                                                                                               tokenizer):
+    """Its probes up to probe_max lose: it is out for the rest of the request and no pass computes hidden states
+    after that round; it sits out the next request (no hidden states even in the prefill), is live in the one
+    after, and then sits out two. The output stays the target's greedy output throughout."""
+    drafter = WrongReader(len(tokenizer))
+    policy = AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8)
+    engine = SpeculativeEngine(target, drafter, policy)
+    asked = spy_hidden_layers(target)
+    prompt, n = [11, 12, 13], 60
+    reference = reference_greedy(tiny_model, prompt, n, stop_ids=())
+    hidden_rounds = []
+    for request in range(6):
+        del asked[:]
+        calls = drafter.calls
+        result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+        assert result.token_ids == reference
+        flags = [r.hidden_states for r in result.rounds]
+        assert asked == [flags[0]] + flags  # the prefill asks iff the first round does
+        assert flags == sorted(flags, reverse=True)  # once dropped, never asked again in the request
+        assert result.hidden_state_rounds == sum(flags) == result.stats_dict()["hidden_state_rounds"]
+        drafted_after = [r.source for r in result.rounds[sum(flags):] if r.source]
+        assert drafted_after == []  # a retired reader never runs
+        hidden_rounds.append(sum(flags))
+        if not flags[0]:
+            assert drafter.calls == calls  # sat out: never called
+    live = [h > 0 for h in hidden_rounds]
+    assert live == [True, False, True, False, False, True]
+    assert all(0 < h < 0.7 * n for h in hidden_rounds if h)  # retired well before the end
+
+
+def test_a_reader_is_kept_when_retiring_is_off_or_when_it_pays(target, tiny_model, tokenizer):
+    prompt, n = [11, 12, 13], 60
+    engine = SpeculativeEngine(target, WrongReader(len(tokenizer)),
+                               AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8,
+                                          retire_readers=False))
+    for _ in range(2):
+        result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+        assert result.hidden_state_rounds == result.num_rounds
+        assert result.speculation_off_rounds > 0.5 * result.num_rounds
+
+    class RightReader(ScriptedDrafter):
+        capabilities = DrafterCapabilities(needs_target_hidden_states=True)
+        target_layer_ids = (1,)
+
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    engine = SpeculativeEngine(target, RightReader(full, confidence=0.99),
+                               AutoPolicy(costs=FLAT, calibrate=False, probe_first=2, probe_max=8))
+    for _ in range(2):
+        result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+        assert result.token_ids == full[3:]
+        assert result.hidden_state_rounds == result.num_rounds and result.speculation_off_rounds == 0
+
+
+def test_bad_sit_out_is_refused_by_name():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(DiffspecError, match="sit_out_max"):
+            AutoPolicy(sit_out_max=bad)
 
 
 def test_a_drafter_that_is_always_right_drafts_long_on_flat_costs(target, tiny_model):

@@ -19,8 +19,10 @@ from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 
 ROW_KEYS = {"method", "dataset", "prompt_id", "wall_time_s", "new_tokens", "tokens_per_s", "mean_accepted_length",
             "target_forward_passes", "drafter_forward_passes", "token_ids", "lossless", "speedup", "draft_time_s",
-            "verify_time_s", "round_drafted", "round_accepted", "speculation_off_rounds", "draft_length_histogram"}
-SUMMARY_ROUND_KEYS = {"rounds", "speculation_off_rounds", "speculation_off_share", "draft_length_histogram"}
+            "verify_time_s", "round_drafted", "round_accepted", "speculation_off_rounds", "draft_length_histogram",
+            "hidden_state_rounds"}
+SUMMARY_ROUND_KEYS = {"rounds", "speculation_off_rounds", "speculation_off_share", "draft_length_histogram",
+                      "hidden_state_rounds"}
 
 
 @pytest.fixture()
@@ -59,6 +61,7 @@ def check_round_fields(row):
     assert sum(hist.values()) == (row["rounds"] or 0)
     assert sum(int(k) * n for k, n in hist.items()) == row["drafted_tokens"]
     assert 0 <= off <= hist.get("0", 0)  # an off round verifies no drafted token
+    assert 0 <= row["hidden_state_rounds"] <= (row["rounds"] or 0)
 
 
 def check_summary_round_fields(entry, rows):
@@ -68,6 +71,7 @@ def check_summary_round_fields(entry, rows):
     assert entry["rounds"] == (rounds or None)
     assert entry["speculation_off_rounds"] == sum(r["speculation_off_rounds"] for r in rows)
     assert entry["speculation_off_share"] == (round(entry["speculation_off_rounds"] / rounds, 4) if rounds else None)
+    assert entry["hidden_state_rounds"] == sum(r["hidden_state_rounds"] for r in rows)
     total = Counter()
     for r in rows:
         total.update({k: n for k, n in r["draft_length_histogram"].items()})

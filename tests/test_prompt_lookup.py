@@ -1,7 +1,7 @@
 import torch
 
 from diffspec import FixedPolicy, PromptLookupDrafter, SamplingParams
-from diffspec.drafters.prompt_lookup import find_continuation
+from diffspec.drafters.prompt_lookup import NgramIndex, find_continuation
 
 
 def t(xs):
@@ -18,6 +18,30 @@ def test_falls_back_to_shorter_ngrams_and_no_match():
     assert find_continuation(t([4, 7, 5, 6, 7]), 3, 2) == (-1, 0)
     assert find_continuation(t([1, 2, 3, 4]), 3, 1) == (-1, 0)
     assert find_continuation(t([5]), 3, 1) == (-1, 0)
+
+
+def test_the_incremental_index_finds_what_the_scan_finds():
+    """As the context grows round by round (1-9 tokens), and when it is cut back or replaced (a new request, a
+    context that does not extend the indexed one), NgramIndex.find equals find_continuation."""
+    gen = torch.Generator().manual_seed(0)
+    found = 0
+    for max_n, min_n in ((3, 2), (3, 1), (4, 4), (1, 1)):
+        index = NgramIndex(max_n, min_n)
+        ctx = torch.randint(0, 6, (5,), generator=gen)
+        for step in range(300):
+            assert index.find(ctx) == find_continuation(ctx, max_n, min_n), (max_n, min_n, step, ctx.tolist())
+            found += index.find(ctx)[0] >= 0
+            event = int(torch.randint(0, 20, (1,), generator=gen))
+            if event == 0:    # a new, unrelated context
+                ctx = torch.randint(0, 6, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+            elif event == 1:  # cut back
+                ctx = ctx[: max(1, ctx.shape[0] // 2)]
+            elif event == 2 and ctx.shape[0] > 3:  # same length, one earlier token changed
+                ctx = ctx.clone()
+                ctx[1] = (ctx[1] + 1) % 6
+            else:
+                ctx = torch.cat([ctx, torch.randint(0, 6, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen)])
+    assert found > 500  # matches were found and compared, not only misses (of 1,200 lookups)
 
 
 def test_draft_copies_continuation_with_ngram_confidence():

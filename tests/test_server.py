@@ -95,6 +95,7 @@ def check_round_fields(spec, result=None):
     assert 0 <= off <= hist.get("0", 0)
     if result is not None:
         assert spec["rounds"] == result.num_rounds and off == result.speculation_off_rounds
+        assert spec["hidden_state_rounds"] == result.hidden_state_rounds
         assert hist == result.stats_dict()["draft_length_histogram"]
 
 

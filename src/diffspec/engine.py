@@ -16,6 +16,10 @@ Each round:
   5. roll back - the target cache is cut to the accepted length (a pointer move);
   6. feedback - the drafter gets the target's hidden states if it asked, the policy the round's stats.
 
+A drafter that reads hidden states gets them from the prefill and every verify pass until the policy says
+it will not run again in this request (`wants_hidden_states()` False, e.g. auto retiring a drafter that does
+not pay): from then on, to the request's end, the target computes none.
+
 The target cache always holds every token but the last one emitted: that token is the first
 input of the next verify pass, so plain decoding (no drafter) is the same loop with k = 0.
 
@@ -107,6 +111,8 @@ class SpeculativeEngine:
         target.reserve(len(prompt_ids) + max_new_tokens)  # the most this request's cache will hold
         passes_before = target.forward_passes
         policy.begin_request(sampling.greedy)
+        if layers and not policy.wants_hidden_states():
+            layers = ()  # the reader sits this request out
         sources = drafter.sources if drafter is not None else ()
         if drafter is not None:
             drafter.begin(tokens)
@@ -124,6 +130,8 @@ class SpeculativeEngine:
             if target.max_verify_tokens is not None:  # wider passes would not be exact on this backend
                 limit = min(limit, target.max_verify_tokens - 1)
             planned = policy.plan_round(tokens.shape[0], sources) if drafter is not None and limit > 0 else ()
+            if layers and not policy.wants_hidden_states():
+                layers = ()  # the reader is out for the rest of the request: never asked again
             draft, costs = Draft.empty(device), ()
             if planned:
                 draft = drafter.propose(tokens, policy, limit, sampling, generator)
@@ -171,6 +179,7 @@ class SpeculativeEngine:
                                drafter_forward_passes=draft.forward_passes,
                                confidences=tuple(round(c, 4) for c in draft.confidences.tolist()),
                                speculation_off=drafter is not None and limit > 0 and not planned,
+                               hidden_states=bool(layers),
                                source=(draft.source or drafter.name) if planned else "", draft_costs=costs)
             policy.update(stats)
             yield emitted, stats, finish

@@ -44,6 +44,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_EMPTY_DRAFTS: dict = {}  # device -> Draft.empty(device)
+
+
 @dataclass(frozen=True)
 class Draft:
     """What a drafter proposes for one round.
@@ -77,8 +80,12 @@ class Draft:
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "Draft":
-        return Draft(torch.empty(0, dtype=torch.long, device=device), None,
-                     torch.empty(0, device=device), 0)
+        """No tokens (one per device, shared: a Draft is frozen and its empty tensors hold nothing to change)."""
+        device = torch.device(device)
+        if device not in _EMPTY_DRAFTS:
+            _EMPTY_DRAFTS[device] = Draft(torch.empty(0, dtype=torch.long, device=device), None,
+                                          torch.empty(0, device=device), 0)
+        return _EMPTY_DRAFTS[device]
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -112,6 +119,7 @@ class RoundStats:
     source:   the drafter whose proposal was verified ("" without a drafter).
     draft_costs: ((source, tokens drafted, seconds), ...) per drafter that ran; `drafted` counts the
               tokens verified, which a policy may have cut from more drafted.
+    hidden_states: the verify pass returned the target's hidden states for the drafter.
     """
 
     drafted: int
@@ -125,6 +133,7 @@ class RoundStats:
     speculation_off: bool = False
     source: str = ""
     draft_costs: tuple = ()
+    hidden_states: bool = False
 
     @property
     def wall_time_s(self) -> float:
@@ -174,6 +183,11 @@ class GenerationResult:
         return sum(1 for r in self.rounds if r.speculation_off)
 
     @property
+    def hidden_state_rounds(self) -> int:
+        """Rounds whose verify pass returned the target's hidden states for the drafter."""
+        return sum(1 for r in self.rounds if r.hidden_states)
+
+    @property
     def draft_length_histogram(self) -> dict:
         """{tokens verified in a round: rounds}, speculation-off rounds under 0 with the others."""
         return draft_length_histogram(self.rounds)
@@ -213,6 +227,7 @@ class GenerationResult:
             "verify_time_s": round(self.verify_time_s, 4),
             "prefill_time_s": round(self.prefill_time_s, 4),
             "speculation_off_rounds": self.speculation_off_rounds,
+            "hidden_state_rounds": self.hidden_state_rounds,
             "draft_length_histogram": {str(k): v for k, v in self.draft_length_histogram.items()},
             "finish_reason": self.finish_reason,
             "notes": list(self.notes),

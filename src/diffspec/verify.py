@@ -40,9 +40,11 @@ def verify_greedy_choices(draft_tokens: torch.Tensor, choice: torch.Tensor) -> V
     argmax of each row of the verify pass: TargetOutput.greedy_tokens())."""
     k = draft_tokens.shape[0]
     assert choice.shape == (k + 1,), (tuple(draft_tokens.shape), tuple(choice.shape))
-    matches = (choice[:k] == draft_tokens).to(torch.int64)
-    n = int(torch.cumprod(matches, dim=0).sum()) if k else 0
-    return Verdict(n, int(choice[n]), n == k)
+    chosen, drafted = choice.tolist(), draft_tokens.tolist()  # k + 1 ints: a list walk beats ~6 tiny tensor ops
+    n = 0
+    while n < k and chosen[n] == drafted[n]:
+        n += 1
+    return Verdict(n, chosen[n], n == k)
 
 
 def verify_rejection(draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],

@@ -100,7 +100,8 @@ def summarize(rows: Sequence[dict]) -> list:
 
     rounds: total draft-verify rounds (None when the method does not count them, e.g. HF methods);
     speculation_off_rounds: rounds the policy ran no drafter in, and speculation_off_share that over
-    rounds (None without rounds); draft_length_histogram: {"k": rounds that verified k drafted
+    rounds (None without rounds); hidden_state_rounds: rounds whose verify pass returned hidden states for
+    the drafter; draft_length_histogram: {"k": rounds that verified k drafted
     tokens} summed over the prompts."""
     baseline = {(r["dataset"], r["prompt_id"]): r for r in rows if r["method"] == BASELINE}
     out = []
@@ -128,6 +129,7 @@ def summarize(rows: Sequence[dict]) -> list:
             "rounds": rounds or None,
             "speculation_off_rounds": off,
             "speculation_off_share": round(off / rounds, 4) if rounds else None,
+            "hidden_state_rounds": sum(r.get("hidden_state_rounds") or 0 for r in rs),
             "draft_length_histogram": sum_histograms(_row_histogram(r) for r in rs),
             "lossless": _lossless(rs),
             "weights": rs[0].get("weights"), "policy": rs[0].get("policy"),

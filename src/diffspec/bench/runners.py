@@ -36,6 +36,7 @@ class Outcome:
     draft_time_s / verify_time_s: None where the method cannot split them (HF methods).
     speculation_off_rounds: rounds in which the policy ran no drafter (a plain step by choice; 0 for
         methods without such a policy).
+    hidden_state_rounds: rounds whose verify pass returned the target's hidden states for the drafter.
     """
 
     token_ids: tuple
@@ -49,6 +50,7 @@ class Outcome:
     finish_reason: Optional[str] = None
     prefill_time_s: Optional[float] = None
     speculation_off_rounds: int = 0
+    hidden_state_rounds: int = 0
 
 
 class Runner:
@@ -88,7 +90,8 @@ class EngineRunner(Runner):
                        drafter_forward_passes=r.drafter_forward_passes, mean_accepted_length=r.mean_accepted_length,
                        draft_time_s=r.draft_time_s, verify_time_s=r.verify_time_s,
                        rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason,
-                       prefill_time_s=r.prefill_time_s, speculation_off_rounds=r.speculation_off_rounds)
+                       prefill_time_s=r.prefill_time_s, speculation_off_rounds=r.speculation_off_rounds,
+                       hidden_state_rounds=r.hidden_state_rounds)
 
 
 class HFRunner(Runner):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -160,6 +160,11 @@ class DraftBuilder:
         self.confidences.append(float(confidence))
         if q_row is not None:
             self.probs.append(q_row)
+
+    def extend(self, tokens: Sequence[int], confidence: float) -> None:
+        """Several tokens of one confidence and no q (what `add` does for each, in one go)."""
+        self.tokens.extend(int(t) for t in tokens)
+        self.confidences.extend([float(confidence)] * len(tokens))
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -33,6 +33,40 @@ def find_continuation(context: torch.Tensor, max_ngram: int, min_ngram: int) -> 
     return -1, 0
 
 
+class NgramIndex:
+    """`find_continuation` kept up to date as a context grows: each n-gram (min..max) of the context -> the start of
+    its latest occurrence among the windows that end before the last token. A round indexes only the tokens it
+    added (a dict update each), where the scan compares every window again (~0.2 ms over 500 tokens, 2-3% of a
+    plain step on a 2-core CPU). Validity comes from the context alone: one that does not extend what was indexed
+    (a new request, a shorter or different context) is indexed afresh."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.ids: list = []
+        self.latest: dict = {}  # n-gram tuple -> start of its latest indexed occurrence
+
+    def _extend(self, ids: list) -> None:
+        if len(ids) < len(self.ids) or ids[: len(self.ids)] != self.ids:
+            self.ids, self.latest = [], {}
+        old = len(self.ids)
+        self.ids = ids
+        last = len(ids) - 1  # windows must end before the last token: end index <= last - 1
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            for i in range(max(0, old - n), last - n + 1):  # windows newly complete before the last token
+                self.latest[tuple(ids[i: i + n])] = i
+
+    def find(self, context: torch.Tensor) -> tuple:
+        """What find_continuation(context, max_ngram, min_ngram) returns."""
+        ids = context.tolist()
+        self._extend(ids)
+        length = len(ids)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            start = self.latest.get(tuple(ids[length - n:]))
+            if start is not None:
+                return start + n, n
+        return -1, 0
+
+
 class PromptLookupDrafter(Drafter):
     name = "prompt-lookup"
     capabilities = DrafterCapabilities(gives_probabilities=False, needs_target_hidden_states=False,
@@ -47,6 +81,7 @@ class PromptLookupDrafter(Drafter):
     def begin(self, prompt_ids) -> None:
         self._outcomes = {}       # n -> [accepted tokens, judged tokens]
         self._last = None         # (context length, drafted tokens, n) of the previous draft
+        self._index = NgramIndex(self.max_ngram, self.min_ngram)
 
     def confidence(self, n: int) -> float:
         accepted, judged = self._outcomes.get(n, (0, 0))
@@ -70,18 +105,20 @@ class PromptLookupDrafter(Drafter):
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
                 sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
         self._learn_from(context)
-        start, n = find_continuation(context, self.max_ngram, self.min_ngram)
+        start, n = self._index.find(context)
         builder = DraftBuilder()
         if start < 0:
             return builder.build(0, context.device)
         confidence = self.confidence(n)
-        source = context[start:].tolist()
+        source = self._index.ids[start:]  # the context's ids, as find just read them
         for k in builder.increments(policy, limit):
-            for token in source[len(builder): len(builder) + k]:
-                builder.add(token, confidence)
+            builder.extend(source[len(builder): len(builder) + k], confidence)
         if len(builder):
             self._last = (int(context.shape[0]), list(builder.tokens), n)
         return builder.build(0, context.device)
 
     def describe(self) -> str:
         return f"prompt-lookup(ngram {self.min_ngram}..{self.max_ngram})"
+
+    def cost_signature(self) -> str:
+        return "ngram index"  # a run is ~4x cheaper than the scan's: calibrated again

@@ -5,9 +5,11 @@ Per round, three decisions, all pure functions of the cost table and the estimat
 
 1. run or not (`plan_round`): each drafter ("source") keeps a decayed record of what its rounds
    gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds). A
-   source whose efficiency is below 1 - `tolerance` is switched off - unless it costs less than
-   `cheap_share` of a plain step and the round is greedy (prompt lookup: step 3 cuts every draft
-   that would not pay, so running it costs nothing and catches every copy); an off source is probed again
+   source whose efficiency is below 1 - `tolerance` is switched off - unless a run of it (found a draft or
+   not: its `look_cost`) costs less than `cheap_share` of a plain step and the round is greedy (prompt
+   lookup: step 3 cuts every draft that would not pay, so running it costs little and catches every copy;
+   judged by a round's draft cost alone it would be switched off after a few rounds without a copy, each
+   costing 1-2% of a step, and miss the copies that follow); an off source is probed again
    after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). Nothing runs -> a
    plain step, with no drafter time at all.
 2. how far to draft (`next_increment`): the length that maximises the expected rate with the
@@ -20,6 +22,14 @@ Per round, three decisions, all pure functions of the cost table and the estimat
 
 With two drafters (`lookup+conditioned`), the cheap one runs first, and the other only when its
 record promises more than the cheap one's draft; the proposal with the larger expected value wins.
+
+A drafter that reads the target's hidden states costs rounds in which it does not run: every verify pass
+returns them for it, and a probe first catches up the features of the positions it skipped. So such a
+source whose probes keep losing is *retired*: once it is off and its probe gap has reached `probe_max`,
+it stops for the rest of the request, the engine stops asking the target for hidden states
+(`wants_hidden_states`), and it sits out the next 1, 2, 4 .. `sit_out_max` requests (the gap doubles
+each time it is retired again, and starts over at 1 once it pays). A request in which it is live starts
+its probes at `probe_first` again. `retire_readers=False` keeps it reading every round.
 """
 
 from __future__ import annotations
@@ -41,17 +51,37 @@ class _Source:
         self.acceptance = AcceptanceModel()
         self.cost_samples: deque = deque(maxlen=64)
         self.draft_cost = DraftCost()
+        self.run_seconds: deque = deque(maxlen=64)  # every run's seconds, whether it drafted or not
+        self._look: Optional[float] = None
         self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
         self.off_rounds, self.probe_every = 0, probe_first
+        self.reads_hidden = False  # needs the target's hidden states (retirable)
+        self.retired = False       # out for the rest of this request
+        self.sit_out, self.sit_out_gap = 0, 1  # requests left to sit out; the next retirement's
 
     @property
     def efficiency(self) -> float:
         return self.gain / max(1e-9, self.steps)
 
     def add_cost(self, k: int, seconds: float) -> None:
-        if k >= 1 and seconds >= 0:
+        if seconds < 0:
+            return
+        self.run_seconds.append(seconds)
+        self._look = None
+        if k >= 1:
             self.cost_samples.append((k, seconds))
             self.draft_cost = fit_draft_cost(self.cost_samples)
+
+    @property
+    def look_cost(self) -> float:
+        """Seconds a run costs on average, drafts or not: the mean of the recent runs without their slowest
+        tenth (a pause of the machine is not the drafter's cost); the fitted cost of one token before any run."""
+        if self._look is None:
+            if not self.run_seconds:
+                return self.draft_cost(1)
+            runs = sorted(self.run_seconds)[: max(1, (9 * len(self.run_seconds)) // 10)]
+            self._look = sum(runs) / len(runs)
+        return self._look
 
 
 class AutoPolicy(LengthPolicy):
@@ -59,18 +89,22 @@ class AutoPolicy(LengthPolicy):
 
     def __init__(self, costs: Optional[CostTable] = None, max_draft: int = 64, tolerance: float = 0.01,
                  decay: float = 0.7, probe_first: int = 4, probe_max: int = 64, prior_efficiency: float = 1.1,
-                 recalibrate: bool = False, calibrate: bool = True, progress: bool = False, cheap_share: float = 0.02):
+                 recalibrate: bool = False, calibrate: bool = True, progress: bool = False, cheap_share: float = 0.02,
+                 retire_readers: bool = True, sit_out_max: int = 8):
         if not isinstance(max_draft, int) or max_draft < 1:
             raise DiffspecError(f"auto policy: max_draft must be an integer >= 1, got {max_draft!r}")
         if not 0.0 < decay < 1.0:
             raise DiffspecError(f"auto policy: decay must be in (0, 1), got {decay!r}")
         if not (isinstance(probe_first, int) and isinstance(probe_max, int) and 1 <= probe_first <= probe_max):
             raise DiffspecError(f"auto policy: need 1 <= probe_first <= probe_max, got {probe_first!r}, {probe_max!r}")
+        if isinstance(sit_out_max, bool) or not isinstance(sit_out_max, int) or sit_out_max < 0:
+            raise DiffspecError(f"auto policy: sit_out_max must be an integer >= 0 (requests), got {sit_out_max!r}")
         self.costs = costs
         self.max_draft, self.tolerance, self.decay = max_draft, tolerance, decay
         self.probe_first, self.probe_max, self.prior_efficiency = probe_first, probe_max, prior_efficiency
         self.recalibrate, self.calibrate, self.progress = recalibrate, calibrate, progress
         self.cheap_share = cheap_share
+        self.retire_readers, self.sit_out_max = retire_readers, sit_out_max
         self.sources: dict = {}
         self.calibration: dict = {}           # source -> where its prior came from (for describe / profile)
         self._context = 0
@@ -93,6 +127,8 @@ class AutoPolicy(LengthPolicy):
         if self.costs is None:
             self.costs, _ = load_or_measure_verify_costs(target, recalibrate=self.recalibrate, progress=self.progress)
         self._curves = {}
+        for part in drafter.parts if drafter is not None else ():
+            self.source(part.name).reads_hidden = part.capabilities.needs_target_hidden_states
         if drafter is None or not self.calibrate:
             return
         if engine_type is None:
@@ -119,6 +155,14 @@ class AutoPolicy(LengthPolicy):
         for src in self.sources.values():
             src.acceptance.begin_request()
             src.off_rounds = 0
+            src.retired = src.sit_out > 0
+            if src.retired:
+                src.sit_out -= 1
+            elif src.reads_hidden and self.retire_readers:
+                src.probe_every = self.probe_first  # live again: probe it afresh
+
+    def wants_hidden_states(self) -> bool:
+        return not any(src.reads_hidden and src.retired for src in self.sources.values())
 
     def verify_curve(self, context: int) -> list:
         if self.costs is None:
@@ -135,10 +179,17 @@ class AutoPolicy(LengthPolicy):
         plan = []
         for name in sources:
             src = self.source(name)
-            cheap = src.draft_cost(1) < self.cheap_share * self._curve[0]
+            if src.retired:
+                continue
+            cheap = self.is_cheap(src)
             if (cheap and self._greedy) or src.efficiency >= 1.0 - self.tolerance:
                 src.off_rounds, src.probe_every = 0, self.probe_first
+                src.sit_out_gap = 1
                 plan.append(name)
+                continue
+            if src.reads_hidden and self.retire_readers and src.probe_every >= self.probe_max:
+                src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
+                src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
                 continue
             src.off_rounds += 1
             if src.off_rounds >= src.probe_every:  # probe: the regime may have changed
@@ -148,6 +199,10 @@ class AutoPolicy(LengthPolicy):
         if len(sources) == 1 and plan:
             self._current = plan[0]
         return self._plan
+
+    def is_cheap(self, src: _Source) -> bool:
+        """Runs every greedy round whatever its record: a run costs under `cheap_share` of a plain step."""
+        return src.look_cost < self.cheap_share * self._curve[0]
 
     def planned_sources(self) -> Optional[tuple]:
         return self._plan
@@ -164,11 +219,12 @@ class AutoPolicy(LengthPolicy):
     def next_increment(self, confidences: Sequence[float]) -> int:
         if self._current is None:
             raise DiffspecError("the auto policy was asked for a draft length outside a planned round")
-        src, p = self._estimates(self._current, confidences)
+        src = self.source(self._current)
         drafted = len(confidences)
         free_tokens = src.draft_cost.per_token_s < 0.02 * self._curve[0]
-        if drafted == 0 and self._greedy and free_tokens:
-            return len(p)  # the whole block costs what its first token does: draft it all, cut it later
+        if drafted == 0 and self._greedy and free_tokens:  # the whole block costs what its first token does:
+            return min(self.max_draft, len(self._curve) - 1)  # draft it all (the horizon), cut it later
+        src, p = self._estimates(self._current, confidences)
         best = best_length(p, self._curve, src.draft_cost.curve(len(p)))
         return max(1, best) if drafted == 0 else max(0, best - drafted)
 
@@ -176,7 +232,7 @@ class AutoPolicy(LengthPolicy):
         if self._current is None or not confidences:
             return len(confidences)
         src = self.source(self._current)
-        p = [src.acceptance.by_confidence(c, i) for i, c in enumerate(confidences)]
+        p = src.acceptance.by_confidences(confidences)
         k = len(p)
         rates = round_rates(p, self._curve[: k + 1] + [self._curve[-1]] * max(0, k + 1 - len(self._curve)),
                             [draft_seconds] * (k + 1))
@@ -185,7 +241,7 @@ class AutoPolicy(LengthPolicy):
     def draft_value(self, source: str, confidences: Sequence[float], draft_seconds: float) -> float:
         """Expected tokens per plain step of this proposal at its best length (plain decoding = 1)."""
         src = self.source(source)
-        p = [src.acceptance.by_confidence(c, i) for i, c in enumerate(confidences)][: len(self._curve) - 1]
+        p = src.acceptance.by_confidences(confidences[: len(self._curve) - 1])
         rates = round_rates(p, self._curve, [draft_seconds] * (len(p) + 1))
         value = max(rates) * self._curve[0]
         self._values[source] = (value, len(confidences), draft_seconds)

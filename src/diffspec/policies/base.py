@@ -15,6 +15,7 @@ Around that, the engine gives the policy the round's frame (all optional for a p
     policy.attach(target, drafter, engine_type)   # once, when the engine is built
     policy.begin_request(greedy)              # each request
     run = policy.plan_round(context_len, sources)   # each round: which drafters run; () = a plain step
+    policy.wants_hidden_states()              # after each of those two: False = stop reading them (this request)
     ... drafting (a combined drafter reads planned_sources() and calls select(name) per part) ...
     k = policy.final_length(confidences, draft_seconds)   # greedy or deterministic drafts only: verify k
     policy.update(stats)
@@ -49,6 +50,12 @@ class LengthPolicy(ABC):
         """Which of the drafter's sources draft this round (all of them unless a policy says otherwise);
         an empty tuple makes the round a plain decoding step, the drafter not called."""
         return tuple(sources)
+
+    def wants_hidden_states(self) -> bool:
+        """Whether the drafter that reads the target's hidden states may still run in this request. False (asked
+        after begin_request and after each plan_round) stops the engine computing them until the request ends,
+        so a policy that says False must never plan that drafter again in the request."""
+        return True
 
     def planned_sources(self) -> Optional[tuple]:
         """The last plan_round answer (None: every source)."""

@@ -232,7 +232,8 @@ class EngineWorker:
 def speculative_stats(rounds) -> dict:
     """The per-request `speculative` object from the engine's RoundStats: rounds, drafted_tokens,
     accepted_tokens, mean_accepted_length (bonus token included), acceptance_rate,
-    speculation_off_rounds (rounds the policy ran no drafter in) and draft_length_histogram
+    speculation_off_rounds (rounds the policy ran no drafter in), hidden_state_rounds (rounds whose verify pass
+    computed the target's hidden states for the drafter) and draft_length_histogram
     ({"k": rounds that verified k drafted tokens}, as `diffspec generate --json` gives it)."""
     n = len(rounds)
     drafted = sum(r.drafted for r in rounds)
@@ -242,4 +243,5 @@ def speculative_stats(rounds) -> dict:
             "mean_accepted_length": round(emitted / n, 4) if n else 0.0,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
             "speculation_off_rounds": sum(1 for r in rounds if r.speculation_off),
+            "hidden_state_rounds": sum(1 for r in rounds if r.hidden_states),
             "draft_length_histogram": {str(k): v for k, v in draft_length_histogram(rounds).items()}}
