@@ -319,6 +319,29 @@ def test_greedy_speculative_equals_plain(llama_target, method):
 
 
 @pytest.mark.slow
+def test_a_retired_reader_keeps_the_request_in_one_context(llama_target):
+    """llama.cpp keeps a request's cache in the context it began in (with the hidden-state callback or without).
+    A drafter that reads hidden states and is never right is retired mid-request (the request stays in the capture
+    context, copying nothing), sits the next request out (the plain context throughout) and is live in the third
+    (the capture context again): every output equals plain decoding."""
+    from diffspec.policies import AutoPolicy
+    from test_auto_policy import STEEP_MS, WrongReader
+
+    t = llama_target
+    drafter = WrongReader(t.vocab_size)
+    engine = SpeculativeEngine(t, drafter, AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=1, probe_max=2))
+    ids = t.encode_prompt(PROMPTS[0])
+    want = plain_ids(t, ids, 40)
+    shares = []
+    for _ in range(3):
+        got = engine.generate(ids, max_new_tokens=40)
+        assert got.token_ids == want
+        shares.append((got.hidden_state_rounds, got.num_rounds))
+    (h1, n1), (h2, _), (h3, n3) = shares
+    assert 0 < h1 < n1 and h2 == 0 and 0 < h3 < n3
+
+
+@pytest.mark.slow
 def test_sampled_output_matches_the_backends_distribution(llama_target):
     """First two sampled tokens (top-k 3, T 1.2) against the exact joint from the backend's own logits.
     The drafter proposes from q = uniform over the target's top 3 at each position: it is accepted often

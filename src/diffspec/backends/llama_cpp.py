@@ -332,9 +332,14 @@ class LlamaCppTarget(TargetBase):
 
     def _use_context(self, capture: bool) -> None:
         """Run the next passes in the context with the eval callback (capture) or the plain one. A
-        request keeps one context from its first pass on: the KV cache lives in the context."""
+        request keeps one context from its first pass on: the KV cache lives in the context. A request that
+        stops reading hidden states (the auto policy retired its drafter) stays in the capture context, its
+        callback told to copy nothing."""
         want = self._capture_ctx if capture else self._plain_ctx
         if want is not None and self._ctx == want:
+            return
+        if self._len and not capture and self._ctx is not None and self._ctx == self._capture_ctx:
+            self._capture.expect([])
             return
         if self._len:
             raise DiffspecError("the llama.cpp backend reads hidden states in another context than plain passes: a "
