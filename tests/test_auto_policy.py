@@ -416,11 +416,13 @@ def test_combined_drafter_verifies_the_better_proposal(target, tiny_model):
 
 
 @pytest.mark.parametrize("costs", [FLAT, STEEP, JUMP], ids=["flat", "steep", "jump"])
-@pytest.mark.parametrize("drafter_name", ["prompt-lookup", "ar-other", "ar-self", "random", "lookup+ar-other"])
+@pytest.mark.parametrize("drafter_name", ["prompt-lookup", "lookup-history", "ar-other", "ar-self", "random",
+                                          "lookup+ar-other"])
 def test_auto_greedy_output_equals_target_greedy(target, tiny_model, other_model, tokenizer, drafter_name, costs):
     from test_engine_greedy import PROMPTS
 
     make = {"prompt-lookup": lambda: PromptLookupDrafter(),
+            "lookup-history": lambda: PromptLookupDrafter(history_tokens=64),
             "ar-other": lambda: AutoregressiveDrafter(other_model, tokenizer, name="ar:other"),
             "ar-self": lambda: AutoregressiveDrafter(tiny_model, tokenizer, name="ar:self"),
             "random": lambda: RandomDrafter(len(tokenizer), seed=0),

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from diffspec import FixedPolicy, PromptLookupDrafter, SamplingParams
+from diffspec.errors import DiffspecError
 from diffspec.drafters.prompt_lookup import NgramIndex, find_continuation
 
 
@@ -70,3 +72,34 @@ def test_confidence_learns_from_what_the_target_kept():
     assert again.confidences[0].item() > c_low
     d.begin(None)  # a new request forgets
     assert abs(d.confidence(3) - 1.0) < 1e-6
+
+
+def test_history_copies_from_earlier_requests_where_the_context_has_no_match():
+    seen = t([1, 2, 3, 7, 8, 9, 10, 11, 12])
+    for history in (0, 100):
+        d = PromptLookupDrafter(history_tokens=history)
+        d.begin(seen[:3])
+        d.propose(seen, FixedPolicy(4), 100, SamplingParams(), None)
+        d.begin(t([20, 21]))  # the request that ended goes to the history
+        draft = d.propose(t([20, 21, 8, 9]), FixedPolicy(4), 100, SamplingParams(), None)
+        assert draft.tokens.tolist() == ([10, 11, 12] if history else [])
+        own = d.propose(t([20, 21, 8, 9, 5, 8, 9]), FixedPolicy(4), 100, SamplingParams(), None)
+        assert own.tokens.tolist() == [5, 8, 9]  # the request's own match comes first
+    # a history match starts at half the prior of a context match, and learns on its own
+    assert d.confidence(("history", 2)) != d.confidence(2) and d.confidence(("history", 3)) == 0.5
+
+
+def test_history_keeps_the_newest_tokens():
+    d = PromptLookupDrafter(history_tokens=64)
+    for r in range(40):  # each request: a unique 3-gram marker, then its answer
+        d.begin(None)
+        d.propose(t([1000 + r, 2000 + r, 3000 + r, r, r + 1]), FixedPolicy(1), 100, SamplingParams(), None)
+    d.begin(None)
+    assert len(d._history.ids) <= 64
+    newest = d.propose(t([5, 1039, 2039, 3039]), FixedPolicy(2), 100, SamplingParams(), None)
+    assert newest.tokens.tolist() == [39, 40]
+    d.begin(None)
+    oldest = d.propose(t([5, 1000, 2000, 3000]), FixedPolicy(2), 100, SamplingParams(), None)
+    assert oldest.tokens.tolist() == []  # dropped
+    with pytest.raises(DiffspecError, match="history_tokens"):
+        PromptLookupDrafter(history_tokens=-1)
