@@ -279,6 +279,31 @@ def test_a_drafter_whose_runs_are_cheap_runs_every_greedy_round(target, tiny_mod
     assert policy.sources["rare-copies"].draft_cost(1) > 0.02 * 0.2 > policy.sources["rare-copies"].look_cost
 
 
+def test_when_sampling_a_cheap_drafter_runs_every_round_only_if_its_drafts_may_be_cut(target, tiny_model, tokenizer):
+    """At temperature > 0 a draft verified as one-hot q may still be cut (its tokens are a function of the context),
+    so a cheap one-hot drafter runs every round as when greedy. One whose tokens are drawn from q may not be cut,
+    so its record decides: never right, it is switched off."""
+    from diffspec.types import SamplingParams
+
+    prompt, n = [5, 6, 7], 60
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    sampling = SamplingParams(temperature=0.8, seed=1)
+    engine = SpeculativeEngine(target, RareCopies(full), AutoPolicy(costs=SLOW_STEP, calibrate=False))
+    assert engine.generate(prompt, max_new_tokens=n, stop_token_ids=(), sampling=sampling).speculation_off_rounds == 0
+
+    class CheapRandomQ(RandomDrafter):
+        def propose(self, *a, **k):
+            import time
+
+            time.sleep(0.0025)
+            return super().propose(*a, **k)
+
+    engine = SpeculativeEngine(target, CheapRandomQ(len(tokenizer), seed=4, with_probs=True),
+                               AutoPolicy(costs=SLOW_STEP, calibrate=False))
+    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=(), sampling=sampling)
+    assert result.speculation_off_rounds > 0.5 * result.num_rounds
+
+
 def test_a_reader_that_never_pays_is_retired_and_the_target_stops_computing_its_hidden_states(target, tiny_model,
                                                                                                tokenizer):
     """Its probes up to probe_max lose: it is out for the rest of the request and no pass computes hidden states

@@ -434,8 +434,16 @@ def test_hidden_states_are_the_layers_transformers_returns(llama_target):
     steps = [t.forward(ids[i:i + 1], hidden_layers=layers) for i in range(n - 3, n)]
     assert torch.equal(torch.cat([first.hidden_states] + [s.hidden_states for s in steps]), whole.hidden_states)
     assert torch.equal(torch.cat([s.logits for s in steps]), whole.logits[-3:])
+    # a request that stops reading them (its drafter retired) goes on in the same context: the same logits, and
+    # nothing captured (the callback's lists stay empty)
+    t.truncate(n - 1)
+    plain_step = t.forward(ids[n - 1:])
+    assert plain_step.hidden_states is None and torch.equal(plain_step.logits, steps[-1].logits)
+    assert all(not rows for rows in t._capture.wanted.values())
+    t.reset()
+    t.forward(ids[:-1])
     with pytest.raises(DiffspecError, match="must ask for them from its first pass"):
-        t.forward(ids[:1])  # a plain pass in the middle of a request that reads hidden states
+        t.forward(ids[-1:], hidden_layers=layers)  # one that began without them cannot start reading them
     t.reset()
 
     hf = Target.load(None, quiet=True, kernels="stock")

@@ -6,8 +6,9 @@ Per round, three decisions, all pure functions of the cost table and the estimat
 1. run or not (`plan_round`): each drafter ("source") keeps a decayed record of what its rounds
    gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds). A
    source whose efficiency is below 1 - `tolerance` is switched off - unless a run of it (found a draft or
-   not: its `look_cost`) costs less than `cheap_share` of a plain step and the round is greedy (prompt
-   lookup: step 3 cuts every draft that would not pay, so running it costs little and catches every copy;
+   not: its `look_cost`) costs less than `cheap_share` of a plain step and step 3 may cut its drafts (greedy,
+   or a drafter whose drafts are verified as one-hot q at any temperature: prompt lookup). Step 3 cuts every
+   draft that would not pay, so running it costs little and catches every copy;
    judged by a round's draft cost alone it would be switched off after a few rounds without a copy, each
    costing 1-2% of a step, and miss the copies that follow); an off source is probed again
    after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). Nothing runs -> a
@@ -56,6 +57,7 @@ class _Source:
         self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
         self.off_rounds, self.probe_every = 0, probe_first
         self.reads_hidden = False  # needs the target's hidden states (retirable)
+        self.one_hot = False       # its drafts are verified as one-hot q (no probabilities): step 3 may cut them
         self.retired = False       # out for the rest of this request
         self.sit_out, self.sit_out_gap = 0, 1  # requests left to sit out; the next retirement's
 
@@ -129,6 +131,7 @@ class AutoPolicy(LengthPolicy):
         self._curves = {}
         for part in drafter.parts if drafter is not None else ():
             self.source(part.name).reads_hidden = part.capabilities.needs_target_hidden_states
+            self.source(part.name).one_hot = not part.capabilities.gives_probabilities
         if drafter is None or not self.calibrate:
             return
         if engine_type is None:
@@ -182,7 +185,7 @@ class AutoPolicy(LengthPolicy):
             if src.retired:
                 continue
             cheap = self.is_cheap(src)
-            if (cheap and self._greedy) or src.efficiency >= 1.0 - self.tolerance:
+            if (cheap and (self._greedy or src.one_hot)) or src.efficiency >= 1.0 - self.tolerance:
                 src.off_rounds, src.probe_every = 0, self.probe_first
                 src.sit_out_gap = 1
                 plan.append(name)
@@ -201,7 +204,8 @@ class AutoPolicy(LengthPolicy):
         return self._plan
 
     def is_cheap(self, src: _Source) -> bool:
-        """Runs every greedy round whatever its record: a run costs under `cheap_share` of a plain step."""
+        """Runs whatever its record where its drafts may be cut (greedy, or one-hot drafts): a run costs under
+        `cheap_share` of a plain step."""
         return src.look_cost < self.cheap_share * self._curve[0]
 
     def planned_sources(self) -> Optional[tuple]:
