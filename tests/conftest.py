@@ -63,6 +63,7 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["DIFFSPEC_COST_CACHE"] = tempfile.mkdtemp(prefix="diffspec-test-costs-")
+        os.environ.setdefault("DIFFSPEC_PLAN_REPS", "1")  # plans timed once each: they stay in this run's folder
 
 
 @pytest.fixture(autouse=True)

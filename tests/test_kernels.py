@@ -106,10 +106,10 @@ def test_loaders_starting_together_time_the_plan_once(monkeypatch, tmp_path):
     model = make_model(70, dtype=torch.float32, hidden=64)
     timed, measure = [], K.measure_plan
 
-    def slow_measure(m):
+    def slow_measure(m, **settings):
         timed.append(1)
         time.sleep(0.5)  # both loaders are past their first read by then
-        return measure(m)
+        return measure(m, **settings)
 
     monkeypatch.setattr(K, "measure_plan", slow_measure)
     plans = []
@@ -530,3 +530,14 @@ def test_a_copy_of_a_routed_model_computes_with_its_own_weights():
     halved = copy.deepcopy(model).to(torch.bfloat16)  # the trial's conversion: runs, in bfloat16
     with torch.inference_mode():
         assert halved(ids).logits.dtype == torch.bfloat16
+
+
+def test_plan_reps_come_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.delenv("DIFFSPEC_PLAN_REPS", raising=False)
+    assert K.plan_reps() == 5
+    monkeypatch.setenv("DIFFSPEC_PLAN_REPS", "2")
+    assert K.plan_reps() == 2
+    for bad in ("0", "-3", "two", ""):
+        monkeypatch.setenv("DIFFSPEC_PLAN_REPS", bad)
+        with pytest.raises(DiffspecError, match="DIFFSPEC_PLAN_REPS"):
+            K.plan_reps()

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import sys
 from contextlib import contextmanager
@@ -289,6 +290,22 @@ def plan_path(model: torch.nn.Module):
     return cost_dir() / f"linear-plan-{key}.json"
 
 
+def plan_reps() -> int:
+    """Timings of each formulation when a plan is measured: 5, or $DIFFSPEC_PLAN_REPS. The test suite sets 1: its
+    plans go to a cost cache of the run (never the user's), and which kernels win does not change what a test checks
+    (every plan keeps speculation equal to plain decoding); timing Gemma 3's 262k-row head five times took ~1 minute."""
+    raw = os.environ.get("DIFFSPEC_PLAN_REPS")
+    if raw is None:
+        return 5
+    try:
+        reps = int(raw)
+    except ValueError:
+        reps = 0
+    if reps < 1:
+        raise DiffspecError(f"$DIFFSPEC_PLAN_REPS must be an integer >= 1 (timings per matmul formulation), got {raw!r}")
+    return reps
+
+
 def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
     """The plan for this machine and model's shapes: read from the cost cache, or measured (seconds)."""
     from .output import read_or_fill, try_write_cache
@@ -305,7 +322,7 @@ def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
         if not quiet:
             print("diffspec: timing the matmul formulations for the target's layers on this machine (once; cached)",
                   file=sys.stderr, flush=True)
-        plan = measure_plan(model)
+        plan = measure_plan(model, reps=plan_reps())
         try_write_cache(where, json.dumps(plan.to_json(), indent=1), "the matmul plan")
         return plan
 
