@@ -59,6 +59,7 @@ class _Source:
         self.reads_hidden = False  # needs the target's hidden states (retirable)
         self.one_hot = False       # its drafts are verified as one-hot q (no probabilities): step 3 may cut them
         self.retired = False       # out for the rest of this request
+        self.probed = False        # probed in this request (a reader is retired only after a probe lost)
         self.sit_out, self.sit_out_gap = 0, 1  # requests left to sit out; the next retirement's
 
     @property
@@ -108,6 +109,7 @@ class AutoPolicy(LengthPolicy):
         self.cheap_share = cheap_share
         self.retire_readers, self.sit_out_max = retire_readers, sit_out_max
         self.sources: dict = {}
+        self._readers: tuple = ()
         self.calibration: dict = {}           # source -> where its prior came from (for describe / profile)
         self._context = 0
         self._curve: list = []
@@ -129,6 +131,8 @@ class AutoPolicy(LengthPolicy):
         if self.costs is None:
             self.costs, _ = load_or_measure_verify_costs(target, recalibrate=self.recalibrate, progress=self.progress)
         self._curves = {}
+        self._readers = tuple(p.name for p in (drafter.parts if drafter is not None else ())
+                              if p.capabilities.needs_target_hidden_states)  # this engine's, not earlier attaches'
         for part in drafter.parts if drafter is not None else ():
             self.source(part.name).reads_hidden = part.capabilities.needs_target_hidden_states
             self.source(part.name).one_hot = not part.capabilities.gives_probabilities
@@ -157,7 +161,7 @@ class AutoPolicy(LengthPolicy):
         self._greedy = greedy
         for src in self.sources.values():
             src.acceptance.begin_request()
-            src.off_rounds = 0
+            src.off_rounds, src.probed = 0, False
             src.retired = src.sit_out > 0
             if src.retired:
                 src.sit_out -= 1
@@ -165,7 +169,7 @@ class AutoPolicy(LengthPolicy):
                 src.probe_every = self.probe_first  # live again: probe it afresh
 
     def wants_hidden_states(self) -> bool:
-        return not any(src.reads_hidden and src.retired for src in self.sources.values())
+        return not any(self.source(name).retired for name in self._readers)
 
     def verify_curve(self, context: int) -> list:
         if self.costs is None:
@@ -190,13 +194,14 @@ class AutoPolicy(LengthPolicy):
                 src.sit_out_gap = 1
                 plan.append(name)
                 continue
-            if src.reads_hidden and self.retire_readers and src.probe_every >= self.probe_max:
+            if src.reads_hidden and self.retire_readers and src.probed and src.probe_every >= self.probe_max:
                 src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
                 src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
                 continue
             src.off_rounds += 1
             if src.off_rounds >= src.probe_every:  # probe: the regime may have changed
                 src.off_rounds, src.probe_every = 0, min(self.probe_max, 2 * src.probe_every)
+                src.probed = True
                 plan.append(name)
         self._plan = tuple(plan)
         if len(sources) == 1 and plan:
