@@ -8,9 +8,9 @@ Per round, three decisions, all pure functions of the cost table and the estimat
    source whose efficiency is below 1 - `tolerance` is switched off - unless a run of it (found a draft or
    not: its `look_cost`) costs less than `cheap_share` of a plain step and step 3 may cut its drafts (greedy,
    or a drafter whose drafts are verified as one-hot q at any temperature: prompt lookup). Step 3 cuts every
-   draft that would not pay, so running it costs little and catches every copy;
-   judged by a round's draft cost alone it would be switched off after a few rounds without a copy, each
-   costing 1-2% of a step, and miss the copies that follow); an off source is probed again
+   draft that would not pay, so running it costs little and catches every copy (judged by its rounds' record
+   it would be switched off after a few rounds without a copy, each costing 1-2% of a step, and miss the
+   copies that follow); an off source is probed again
    after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). Nothing runs -> a
    plain step, with no drafter time at all.
 2. how far to draft (`next_increment`): the length that maximises the expected rate with the
@@ -56,7 +56,6 @@ class _Source:
         self._look: Optional[float] = None
         self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
         self.off_rounds, self.probe_every = 0, probe_first
-        self.reads_hidden = False  # needs the target's hidden states (retirable)
         self.one_hot = False       # its drafts are verified as one-hot q (no probabilities): step 3 may cut them
         self.retired = False       # out for the rest of this request
         self.probed = False        # probed in this request (a reader is retired only after a probe lost)
@@ -134,7 +133,6 @@ class AutoPolicy(LengthPolicy):
         self._readers = tuple(p.name for p in (drafter.parts if drafter is not None else ())
                               if p.capabilities.needs_target_hidden_states)  # this engine's, not earlier attaches'
         for part in drafter.parts if drafter is not None else ():
-            self.source(part.name).reads_hidden = part.capabilities.needs_target_hidden_states
             self.source(part.name).one_hot = not part.capabilities.gives_probabilities
         if drafter is None or not self.calibrate:
             return
@@ -159,13 +157,13 @@ class AutoPolicy(LengthPolicy):
     # --- per request and per round --------------------------------------------------------------
     def begin_request(self, greedy: bool) -> None:
         self._greedy = greedy
-        for src in self.sources.values():
+        for name, src in self.sources.items():
             src.acceptance.begin_request()
             src.off_rounds, src.probed = 0, False
             src.retired = src.sit_out > 0
             if src.retired:
                 src.sit_out -= 1
-            elif src.reads_hidden and self.retire_readers:
+            elif name in self._readers and self.retire_readers:
                 src.probe_every = self.probe_first  # live again: probe it afresh
 
     def wants_hidden_states(self) -> bool:
@@ -194,7 +192,7 @@ class AutoPolicy(LengthPolicy):
                 src.sit_out_gap = 1
                 plan.append(name)
                 continue
-            if src.reads_hidden and self.retire_readers and src.probed and src.probe_every >= self.probe_max:
+            if name in self._readers and self.retire_readers and src.probed and src.probe_every >= self.probe_max:
                 src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
                 src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
                 continue
