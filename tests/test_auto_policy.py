@@ -16,7 +16,7 @@ from diffspec.drafter_names import make_drafter
 from diffspec.errors import DiffspecError
 from diffspec.policies import AutoPolicy, LengthPolicy, make_policy
 from diffspec.policies.acceptance import AcceptanceCounts, AcceptanceModel
-from diffspec.policies.choice import best_length, expected_emitted, round_rates
+from diffspec.policies.choice import best_length, best_rate, expected_emitted, round_rates
 from diffspec.types import Draft
 
 FLAT = CostTable(ks=(0, 64), contexts=(1,), verify_s=((1.0, 1.0),))            # a GPU: k tokens cost one
@@ -55,6 +55,26 @@ def test_draft_cost_and_margin_can_turn_speculation_off():
     assert best_length([0.5] * 4, v, [0.0] * 5) == 4
     assert best_length([0.5] * 4, v, [0.0] + [1.0] * 4) == 0           # drafting costs a whole step
     assert best_length([0.05] * 4, v, [0.0] + [0.04] * 4, margin=0.02) == 0  # ties with plain: not worth it
+
+
+def test_best_rate_is_the_first_maximum_of_round_rates_bitwise():
+    """Against the lists of round_rates, with ties (certain rejections over flat costs) and probabilities outside
+    [0, 1]."""
+    rng = np.random.default_rng(3)
+    cases = [([0.0] * 20, [1.0] * 21, [0.0] * 21), ([1.0] * 3, [1.0] * 4, [0.0] * 4), ([], [2.0], [0.0])]
+    for K in list(range(0, 40)) + [63, 64]:
+        for _ in range(5):
+            p = list(rng.uniform(-0.1, 1.1, K))
+            verify = list(np.cumsum(rng.uniform(0.0, 0.5, K + 1)) + 1.0)
+            draft = list(rng.uniform(0.0, 0.2, K + 1) * (rng.random() < 0.5))
+            cases.append((p, verify, draft))
+    for p, verify, draft in cases:
+        rates = round_rates(p, verify, draft)
+        k = max(range(len(rates)), key=lambda i: (rates[i], -i))
+        assert best_rate(p, verify, draft) == (k, rates[k]), (len(p), k)
+    assert best_rate([0.0] * 20, [1.0] * 21, [0.0] * 21) == (0, 1.0)
+    with pytest.raises(ValueError, match="need costs"):
+        best_rate([0.5] * 4, [1.0] * 4, [0.0] * 5)
 
 
 # --- the cost table ------------------------------------------------------------------------------
@@ -163,7 +183,9 @@ def test_estimates_for_a_whole_draft_equal_the_token_by_token_ones():
         model.update(list(rng.random(6)), accepted=int(rng.integers(0, 7)))
     model.begin_request()
     model.update([0.55, 0.9, 0.1], accepted=1)
-    for confidences in ([0.5] * 40, list(rng.random(30)), [], [1.0, 0.0, 0.999, 0.05]):
+    mixed = [0.5] * 3 + [0.52, 0.58, 0.5, 0.9] + [0.7] * 20 + [0.71] + [0.7] * 9  # same bin, not the same value
+    for confidences in ([0.5] * 40, [0.93] * 64, list(rng.random(30)), [], [1.0, 0.0, 0.999, 0.05], mixed, [0.3],
+                        tuple([0.8] * 9)):
         assert model.by_confidences(confidences) == [model.by_confidence(c, i) for i, c in enumerate(confidences)]
 
 
@@ -276,6 +298,42 @@ def test_a_drafter_whose_runs_are_cheap_runs_every_greedy_round(target, tiny_mod
     assert result.speculation_off_rounds == 0
     assert drafter.calls == result.num_rounds - 1  # every round but the last (one token left: the target's own)
     assert policy.sources["rare-copies"].draft_cost(1) > 0.02 * 0.2 > policy.sources["rare-copies"].look_cost
+
+
+class CatchUpCopies(RareCopies):
+    """RareCopies whose first run after a round without it costs 12 ms (it catches up on the tokens it missed, as
+    prompt lookup indexes them), and whose first 6 runs cost 6 ms (a slow stretch of the machine): steady, 2.5 ms."""
+
+    name = "catch-up-copies"
+
+    def __init__(self, full):
+        super().__init__(full)
+        self.seen = None
+
+    def propose(self, context, policy, limit, sampling, generator):
+        from dataclasses import replace
+
+        draft = super().propose(context, policy, limit, sampling, generator)
+        caught_up = self.seen is not None and context.shape[0] - self.seen > 8
+        self.seen = context.shape[0]
+        seconds = 0.012 if caught_up else 0.006 if self.calls <= 6 else 0.0025
+        return replace(draft, costs=((self.name, len(draft), seconds),))
+
+
+def test_a_cheap_drafter_switched_off_in_a_slow_stretch_is_judged_by_its_steady_runs_again(target, tiny_model):
+    """A slow stretch (6 ms runs, 3% of a step) switches it off. Its probes then catch up (12 ms), so judged by every
+    run it would stay off; judged by its steady runs, each probe's second round (2.5 ms) shows it cheap again, and it
+    runs every round for most of the request."""
+    prompt, n = [5, 6, 7], 160
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    policy = AutoPolicy(costs=SLOW_STEP, calibrate=False)
+    engine = SpeculativeEngine(target, CatchUpCopies(full), policy)
+    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == full[3:]
+    off = [r.speculation_off for r in result.rounds]
+    assert any(off[:40])                      # the slow stretch did switch it off
+    assert sum(off[len(off) // 2:]) <= 2      # and it runs every round again later
+    assert policy.sources["catch-up-copies"].look_cost < 0.02 * 0.2
 
 
 def test_when_sampling_a_cheap_drafter_runs_every_round_only_if_its_drafts_may_be_cut(target, tiny_model, tokenizer):

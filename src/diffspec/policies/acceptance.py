@@ -32,6 +32,9 @@ def _group(position: int) -> int:
     return min(GROUPS - 1, position.bit_length())
 
 
+GROUP_SPANS = ((0, 1), (1, 2), (2, 4), (4, 8), (8, 1 << 62))  # the positions of each group, [lo, hi)
+
+
 @dataclass
 class AcceptanceCounts:
     bin_accepted: list = field(default_factory=lambda: [0.0] * BINS)
@@ -127,15 +130,25 @@ class AcceptanceModel:
                        self.request_prior)
 
     def by_confidences(self, confidences: Sequence[float]) -> list:
-        """[by_confidence(c, i) for i, c in enumerate(confidences)], each (bin, position group) worked out once:
-        a copy of 30 tokens at one confidence is 4 cells."""
+        """[by_confidence(c, i) for i, c in enumerate(confidences)], each (bin, position group) worked out once,
+        and a group's positions of one confidence (a copy's: prompt lookup gives all its tokens one) in one go."""
+        confidences = list(confidences)
+        n = len(confidences)
         memo: dict = {}
-        out = []
-        for i, c in enumerate(confidences):
-            key = (_bin(c), _group(i))
-            if key not in memo:
-                memo[key] = self.by_confidence(c, i)
-            out.append(memo[key])
+        out: list = []
+        for g, (lo, hi) in enumerate(GROUP_SPANS):
+            if lo >= n:
+                break
+            span = confidences[lo: min(hi, n)]
+            if span.count(span[0]) == len(span):  # one confidence: one cell
+                out.extend([self.by_confidence(span[0], lo)] * len(span))
+                continue
+            for i, c in enumerate(span, lo):
+                key = _bin(c)
+                if key not in memo:
+                    memo[key] = self.by_confidence(c, i)
+                out.append(memo[key])
+            memo.clear()
         return out
 
     def by_position(self, position: int) -> float:

@@ -5,14 +5,17 @@ Per round, three decisions, all pure functions of the cost table and the estimat
 
 1. run or not (`plan_round`): each drafter ("source") keeps a decayed record of what its rounds
    gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds). A
-   source whose efficiency is below 1 - `tolerance` is switched off - unless a run of it (found a draft or
-   not: its `look_cost`) costs less than `cheap_share` of a plain step and step 3 may cut its drafts (greedy,
+   source whose efficiency is below 1 - `tolerance` is switched off - unless a steady run of it (found a draft
+   or not, in a round after one it ran in: its `look_cost`) costs less than `cheap_share` of a plain step and
+   step 3 may cut its drafts (greedy,
    or a drafter whose drafts are verified as one-hot q at any temperature: prompt lookup). Step 3 cuts every
    draft that would not pay, so running it costs little and catches every copy (judged by its rounds' record
    it would be switched off after a few rounds without a copy, each costing 1-2% of a step, and miss the
    copies that follow); an off source is probed again
-   after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). Nothing runs -> a
-   plain step, with no drafter time at all.
+   after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). A probe's run also catches
+   up on what the source missed (prompt lookup indexes every token since its last run), so it does not time
+   a run; where the source might be cheap (its steady runs under `FOLLOW_UP` x the limit) the probe runs two
+   rounds, and the second does. Nothing runs -> a plain step, with no drafter time at all.
 2. how far to draft (`next_increment`): the length that maximises the expected rate with the
    estimates at hand - by confidence for tokens drafted, by position beyond - and the drafter's
    own cost (fixed + per token, fitted to its measured draft times). A drafter whose extra tokens
@@ -42,7 +45,10 @@ from ..costs import CostTable, DraftCost, fit_draft_cost
 from ..errors import DiffspecError
 from .acceptance import AcceptanceCounts, AcceptanceModel
 from .base import LengthPolicy
-from .choice import best_length, round_rates
+from .choice import best_length, best_rate
+
+
+FOLLOW_UP = 2.0  # a probe runs two rounds where the source's run was timed under this many times the cheap limit
 
 
 class _Source:
@@ -52,7 +58,9 @@ class _Source:
         self.acceptance = AcceptanceModel()
         self.cost_samples: deque = deque(maxlen=64)
         self.draft_cost = DraftCost()
-        self.run_seconds: deque = deque(maxlen=64)  # every run's seconds, whether it drafted or not
+        self.run_seconds: deque = deque(maxlen=16)  # the last steady runs' seconds, whether they drafted or not
+        self.ran_last = False      # it ran in the request's previous round (so a run now is steady: no catch-up)
+        self.follow = False        # a probe that may show it cheap: run it the next round too, for a steady sample
         self._look: Optional[float] = None
         self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
         self.off_rounds, self.probe_every = 0, probe_first
@@ -65,19 +73,23 @@ class _Source:
     def efficiency(self) -> float:
         return self.gain / max(1e-9, self.steps)
 
-    def add_cost(self, k: int, seconds: float) -> None:
+    def add_cost(self, k: int, seconds: float, steady: bool = True) -> None:
+        """A run's seconds; `steady`: it ran in the round before too. Only steady runs time a run: the first after
+        a pause (a probe, a request's first round) also catches up on what it missed (prompt lookup indexes every
+        token since its last run), which running every round would not pay."""
         if seconds < 0:
             return
-        self.run_seconds.append(seconds)
-        self._look = None
+        if steady:
+            self.run_seconds.append(seconds)
+            self._look = None
         if k >= 1:
             self.cost_samples.append((k, seconds))
             self.draft_cost = fit_draft_cost(self.cost_samples)
 
     @property
     def look_cost(self) -> float:
-        """Seconds a run costs on average, drafts or not: the mean of the recent runs without their slowest
-        tenth (a pause of the machine is not the drafter's cost); the fitted cost of one token before any run."""
+        """Seconds a run costs on average, drafts or not: the mean of the recent steady runs without their slowest
+        tenth (a pause of the machine is not the drafter's cost); the fitted cost of one token before any."""
         if self._look is None:
             if not self.run_seconds:
                 return self.draft_cost(1)
@@ -160,6 +172,7 @@ class AutoPolicy(LengthPolicy):
         for name, src in self.sources.items():
             src.acceptance.begin_request()
             src.off_rounds, src.probed = 0, False
+            src.ran_last = src.follow = False
             src.retired = src.sit_out > 0
             if src.retired:
                 src.sit_out -= 1
@@ -192,6 +205,10 @@ class AutoPolicy(LengthPolicy):
                 src.sit_out_gap = 1
                 plan.append(name)
                 continue
+            if src.follow:  # the second round of a probe: a steady sample of what a run costs
+                src.follow = False
+                plan.append(name)
+                continue
             if name in self._readers and self.retire_readers and src.probed and src.probe_every >= self.probe_max:
                 src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
                 src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
@@ -200,6 +217,7 @@ class AutoPolicy(LengthPolicy):
             if src.off_rounds >= src.probe_every:  # probe: the regime may have changed
                 src.off_rounds, src.probe_every = 0, min(self.probe_max, 2 * src.probe_every)
                 src.probed = True
+                src.follow = (self._greedy or src.one_hot) and src.look_cost < FOLLOW_UP * self.cheap_share * self._curve[0]
                 plan.append(name)
         self._plan = tuple(plan)
         if len(sources) == 1 and plan:
@@ -228,9 +246,12 @@ class AutoPolicy(LengthPolicy):
             raise DiffspecError("the auto policy was asked for a draft length outside a planned round")
         src = self.source(self._current)
         drafted = len(confidences)
+        horizon = min(self.max_draft, len(self._curve) - 1)
+        if drafted >= horizon:
+            return 0
         free_tokens = src.draft_cost.per_token_s < 0.02 * self._curve[0]
         if drafted == 0 and self._greedy and free_tokens:  # the whole block costs what its first token does:
-            return min(self.max_draft, len(self._curve) - 1)  # draft it all (the horizon), cut it later
+            return horizon  # draft it all (the horizon), cut it later
         src, p = self._estimates(self._current, confidences)
         best = best_length(p, self._curve, src.draft_cost.curve(len(p)))
         return max(1, best) if drafted == 0 else max(0, best - drafted)
@@ -241,16 +262,14 @@ class AutoPolicy(LengthPolicy):
         src = self.source(self._current)
         p = src.acceptance.by_confidences(confidences)
         k = len(p)
-        rates = round_rates(p, self._curve[: k + 1] + [self._curve[-1]] * max(0, k + 1 - len(self._curve)),
-                            [draft_seconds] * (k + 1))
-        return max(range(k + 1), key=lambda i: (rates[i], -i))
+        return best_rate(p, self._curve[: k + 1] + [self._curve[-1]] * max(0, k + 1 - len(self._curve)),
+                         [draft_seconds] * (k + 1))[0]
 
     def draft_value(self, source: str, confidences: Sequence[float], draft_seconds: float) -> float:
         """Expected tokens per plain step of this proposal at its best length (plain decoding = 1)."""
         src = self.source(source)
         p = src.acceptance.by_confidences(confidences[: len(self._curve) - 1])
-        rates = round_rates(p, self._curve, [draft_seconds] * (len(p) + 1))
-        value = max(rates) * self._curve[0]
+        value = best_rate(p, self._curve, [draft_seconds] * (len(p) + 1))[1] * self._curve[0]
         self._values[source] = (value, len(confidences), draft_seconds)
         return value
 
@@ -259,12 +278,16 @@ class AutoPolicy(LengthPolicy):
 
     # --- feedback -------------------------------------------------------------------------------
     def update(self, stats) -> None:
+        ran = {name for name, _, _ in stats.draft_costs}
+        steady = {name for name in ran if self.source(name).ran_last}
+        for name, src in self.sources.items():
+            src.ran_last = name in ran
         if stats.speculation_off or not self._curve:
             return
         v0 = self._curve[0]
         spent = 0.0
         for name, k, seconds in stats.draft_costs:
-            self.source(name).add_cost(k, seconds)
+            self.source(name).add_cost(k, seconds, steady=name in steady)
             spent += seconds
         chosen = stats.source
         if chosen:
