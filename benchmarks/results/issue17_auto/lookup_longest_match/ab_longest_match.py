@@ -12,7 +12,8 @@ policy); default-before / default-after (prompt lookup + the shipped conditioned
 drafter on the transformers backend). Throughput ratio = total tokens / total time against plain's in the same run;
 every output is checked against plain's.
 
-    python ab_longest_match.py [--sets humaneval mtbench champ] [--num-prompts 20] [--max-new-tokens 256] [--json OUT]
+    python ab_longest_match.py [--sets humaneval mtbench champ] [--num-prompts 20] [--max-new-tokens 256]
+                               [--kernels auto|q8] [--json OUT]
 """
 import argparse
 import json
@@ -36,6 +37,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--sets", nargs="+", default=["humaneval", "mtbench", "champ"])
 ap.add_argument("--num-prompts", type=int, default=20)
 ap.add_argument("--max-new-tokens", type=int, default=256)
+ap.add_argument("--kernels", default="auto", help="the transformers backend's matmul choice (auto, q8, ...)")
 ap.add_argument("--json")
 args = ap.parse_args()
 prompts = [p for s in args.sets for p in load_bench_prompts(s, args.num_prompts)]  # before any model loads
@@ -46,7 +48,7 @@ class Before(LookupBefore):
         return "ngram index (before the longest match)"
 
 
-plain = load_engine(drafter="none", policy="fixed", backend="transformers", quiet=True)
+plain = load_engine(drafter="none", policy="fixed", backend="transformers", kernels=args.kernels, quiet=True)
 target = plain.target
 conditioned = lambda: make_drafter("conditioned", target, compute_dtype="auto")  # noqa: E731
 engines = {
