@@ -7,7 +7,8 @@ before (`prompt_lookup_before.py`, the drafter at 9bf06d4): the latest earlier o
 after:  of the latest 16 occurrences of that n-gram, the one whose match reaches furthest back (up to 64 tokens) is
         copied; confidence per match-length class (2, 3, 4-7, 8-15, 16-31, 32+; prior m / (m + 2)).
 
-Methods, prompt by prompt in a rotating order: plain; lookup-before / lookup-after (prompt lookup alone, auto
+The loop is benchmarks/interleaved_ab.py (the runs recorded here ran the same loop written inline). Methods, prompt by
+prompt in a rotating order: plain; lookup-before / lookup-after (prompt lookup alone, auto
 policy); default-before / default-after (prompt lookup + the shipped conditioned drafter, auto policy: the default
 drafter on the transformers backend). Throughput ratio = total tokens / total time against plain's in the same run;
 every output is checked against plain's.
@@ -16,10 +17,7 @@ every output is checked against plain's.
                                [--kernels auto|q8] [--json OUT]
 """
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 from diffspec.api import load_engine
@@ -30,7 +28,9 @@ from diffspec.drafters.prompt_lookup import PromptLookupDrafter
 from diffspec.engine import SpeculativeEngine
 from diffspec.policies import AutoPolicy
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[2])]  # prompt_lookup_before.py; benchmarks/interleaved_ab.py
+from interleaved_ab import run_interleaved, summarize, write_json  # noqa: E402
 from prompt_lookup_before import PromptLookupDrafter as LookupBefore  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -60,51 +60,7 @@ engines = {
 }
 for m, e in engines.items():
     print(m, e.drafter.describe() if e.drafter else "-", e.policy.describe(), flush=True)
-for e in engines.values():  # warm-up: first calls pay one-off costs
-    e.generate(prompts[0].text, max_new_tokens=32)
-
-rows = []
-names = list(engines)
-for i, p in enumerate(prompts):
-    order = names[i % len(names):] + names[:i % len(names)]
-    got = {}
-    for m in order:
-        t0 = time.perf_counter()
-        r = engines[m].generate(p.text, max_new_tokens=args.max_new_tokens)
-        wall = time.perf_counter() - t0
-        got[m] = {"method": m, "dataset": p.dataset, "prompt_id": p.prompt_id, "wall_s": wall,
-                  "tokens": len(r.token_ids), "ids": r.token_ids, "rounds": r.num_rounds,
-                  "target_passes": r.target_forward_passes, "drafter_passes": r.drafter_forward_passes,
-                  "off_rounds": r.speculation_off_rounds, "hidden_state_rounds": r.hidden_state_rounds,
-                  "drafted": r.drafted_tokens, "accepted": r.accepted_tokens,
-                  "draft_s": r.draft_time_s, "verify_s": r.verify_time_s}
-    for m in names:
-        got[m]["equal_plain"] = got[m].pop("ids") == got["plain"]["ids"] if m != "plain" else True
-        rows.append(got[m])
-    got["plain"].pop("ids", None)
-    print(i, p.dataset, " ".join(f"{m}:{got[m]['wall_s']:.2f}/{got[m]['target_passes']}" for m in names), flush=True)
-
-summary = {}
-for ds in args.sets + ["all"]:
-    sel = [r for r in rows if ds == "all" or r["dataset"] == ds]
-    base = sum(r["tokens"] for r in sel if r["method"] == "plain") / sum(r["wall_s"] for r in sel if r["method"] == "plain")
-    summary[ds] = {}
-    for m in names:
-        mine = [r for r in sel if r["method"] == m]
-        tokens, wall, rounds = sum(r["tokens"] for r in mine), sum(r["wall_s"] for r in mine), sum(r["rounds"] for r in mine)
-        summary[ds][m] = {"tok_s": round(tokens / wall, 2), "ratio": round(tokens / wall / base, 4),
-                          "per_prompt_ratio_median": round(sorted(
-                              (next(b for b in sel if b["method"] == "plain" and b["prompt_id"] == r["prompt_id"])["wall_s"]
-                               / r["wall_s"]) for r in mine)[len(mine) // 2], 4),
-                          "tokens_per_round": round(tokens / rounds, 3),
-                          "drafted_per_round": round(sum(r["drafted"] for r in mine) / rounds, 3),
-                          "accepted_per_drafted": round(sum(r["accepted"] for r in mine) / max(1, sum(r["drafted"] for r in mine)), 3),
-                          "target_passes_per_prompt": round(sum(r["target_passes"] for r in mine) / len(mine), 1),
-                          "drafter_passes_per_prompt": round(sum(r["drafter_passes"] for r in mine) / len(mine), 1),
-                          "off_share": round(sum(r["off_rounds"] for r in mine) / rounds, 4),
-                          "all_equal_plain": all(r["equal_plain"] for r in mine)}
-    print(ds, json.dumps(summary[ds]), flush=True)
+rows = run_interleaved(engines, prompts, args.max_new_tokens)
+summary = summarize(rows, args.sets, list(engines))
 if args.json:
-    with open(args.json, "w") as f:
-        json.dump({"machine": platform.processor() or platform.machine(), "args": vars(args), "summary": summary,
-                   "rows": rows}, f, indent=1)
+    write_json(args.json, vars(args), summary, rows)
