@@ -12,10 +12,14 @@ import platform
 import time
 
 
-def run_interleaved(engines: dict, prompts, max_new_tokens: int) -> list:
-    """One row per (prompt, engine); `engines` must hold "plain". Prints a line per prompt."""
+def run_interleaved(engines: dict, prompts, max_new_tokens: int, warmup_text=None, after_warmup=None) -> list:
+    """One row per (prompt, engine); `engines` must hold "plain". Prints a line per prompt. The warm-up runs
+    `warmup_text` (default: the first prompt) on every engine, then `after_warmup(engines)` if given (e.g. to clear
+    what a drafter kept from it)."""
     for e in engines.values():  # warm-up: first calls pay one-off costs
-        e.generate(prompts[0].text, max_new_tokens=32)
+        e.generate(warmup_text or prompts[0].text, max_new_tokens=32)
+    if after_warmup is not None:
+        after_warmup(engines)
     rows, names = [], list(engines)
     for i, p in enumerate(prompts):
         order = names[i % len(names):] + names[:i % len(names)]

@@ -336,6 +336,54 @@ def test_a_cheap_drafter_switched_off_in_a_slow_stretch_is_judged_by_its_steady_
     assert policy.sources["catch-up-copies"].look_cost < 0.02 * 0.2
 
 
+class CostlyLookCopies(ScriptedDrafter):
+    """Like prompt lookup with a history on a slow host: a run that finds nothing costs 6 ms, 3% of a SLOW_STEP
+    step (over the cheap limit); in every 24 positions of the answer, the first 6 hold a copy (up to 4 tokens, the
+    target's own, 12 ms a run). `copy_every=0`: never a copy."""
+
+    name = "costly-look"
+
+    def __init__(self, full, prompt_len, copy_every=24):
+        super().__init__(full, confidence=0.9)
+        self.prompt_len, self.copy_every = prompt_len, copy_every
+        self.calls = 0
+
+    def propose(self, context, policy, limit, sampling, generator):
+        from dataclasses import replace
+
+        self.calls += 1
+        position = context.shape[0] - self.prompt_len
+        if not self.copy_every or position % self.copy_every >= 6:
+            return replace(Draft.empty(), costs=((self.name, 0, 0.006),))
+        draft = super().propose(context, policy, limit, sampling, generator).prefix(4)
+        return replace(draft, costs=((self.name, len(draft), 0.012),))
+
+
+def test_a_drafter_whose_empty_runs_cost_more_than_the_cheap_limit_runs_while_running_it_pays(target, tiny_model):
+    """Every run that finds nothing costs 3% of a step, so its short record (the last few rounds) falls under 1 a
+    few rounds after each copy, and it is not cheap: the old rule switched it off there and its probes (after 4, 8,
+    16 .. rounds) missed most copies. Over its last ~50 runs, running it every round pays (a copy of 4 tokens for
+    each ~18 empty runs), so it runs every round and drafts every copy; with no copies at all it is off."""
+    prompt, n = [5, 6, 7], 192
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    policy = AutoPolicy(costs=SLOW_STEP, calibrate=False)
+    drafter = CostlyLookCopies(full, len(prompt))
+    result = SpeculativeEngine(target, drafter, policy).generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == full[3:]
+    off = [r.speculation_off for r in result.rounds]
+    assert sum(off) <= 2, off
+    assert policy.sources["costly-look"].look_cost > 0.02 * 0.2  # not cheap: the long record kept it on
+    assert policy.sources["costly-look"].long_efficiency > 1.0
+    assert result.accepted_tokens >= 3 * (n // 24)  # every copy region gave its copy
+
+    never = CostlyLookCopies(full, len(prompt), copy_every=0)
+    policy = AutoPolicy(costs=SLOW_STEP, calibrate=False)
+    result = SpeculativeEngine(target, never, policy).generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == full[3:]
+    assert result.speculation_off_rounds > 0.7 * result.num_rounds
+    assert policy.sources["costly-look"].long_efficiency < 1.0
+
+
 def test_when_sampling_a_cheap_drafter_runs_every_round_only_if_its_drafts_may_be_cut(target, tiny_model, tokenizer):
     """At temperature > 0 a draft verified as one-hot q may still be cut (its tokens are a function of the context),
     so a cheap one-hot drafter runs every round as when greedy. One whose tokens are drawn from q may not be cut,

@@ -3,16 +3,18 @@
 
 Per round, three decisions, all pure functions of the cost table and the estimates (choice.py):
 
-1. run or not (`plan_round`): each drafter ("source") keeps a decayed record of what its rounds
-   gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds). A
-   source whose efficiency is below 1 - `tolerance` is switched off - unless a steady run of it (found a draft
-   or not, in a round after one it ran in: its `look_cost`) costs less than `cheap_share` of a plain step and
-   step 3 may cut its drafts (greedy,
-   or a drafter whose drafts are verified as one-hot q at any temperature: prompt lookup). Step 3 cuts every
-   draft that would not pay, so running it costs little and catches every copy (judged by its rounds' record
-   it would be switched off after a few rounds without a copy, each costing 1-2% of a step, and miss the
-   copies that follow); an off source is probed again
-   after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). A probe's run also catches
+1. run or not (`plan_round`): each drafter ("source") keeps two decayed records of what its rounds
+   gave, in plain steps: efficiency = sum(emitted) / sum(round seconds / plain-step seconds), one over
+   its last few rounds (`decay`), one over its last ~50 runs (`LONG_DECAY`), runs that found nothing
+   included. A source runs while its short record is at least 1 - `tolerance`. Where step 3 may cut
+   its drafts (greedy, or a drafter whose drafts are verified as one-hot q at any temperature: prompt
+   lookup), it also runs while running it every round has paid lately (long record >= 1), or while a
+   steady run of it (found a draft or not, in a round after one it ran in: its `look_cost`) costs less
+   than `cheap_share` of a plain step. Step 3 cuts every draft that would not pay, so such a source
+   loses only its runs' cost and catches every copy: judged by its short record it would be switched
+   off after a few rounds without a copy, each costing 1-3% of a step, and miss the copies that follow,
+   though one accepted copy of 4 tokens pays for ~100 runs that find nothing. Otherwise it is off, and
+   probed again after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). A probe's run also catches
    up on what the source missed (prompt lookup indexes every token since its last run), so it does not time
    a run; where the source might be cheap (its steady runs under `FOLLOW_UP` x the limit) the probe runs two
    rounds, and the second does. Nothing runs -> a plain step, with no drafter time at all.
@@ -49,6 +51,8 @@ from .choice import best_length, best_rate
 
 
 FOLLOW_UP = 2.0  # a probe runs two rounds where the source's run was timed under this many times the cheap limit
+LONG_DECAY = 0.98  # the long record's decay per run (~50 runs)
+LONG_LEAST = 8.0   # the long record speaks once it holds this many plain steps (no prior: it is evidence only)
 
 
 class _Source:
@@ -63,6 +67,7 @@ class _Source:
         self.follow = False        # a probe that may show it cheap: run it the next round too, for a steady sample
         self._look: Optional[float] = None
         self.gain, self.steps = prior_efficiency, 1.0  # decayed sums: emitted tokens, plain-step units
+        self.long_gain, self.long_steps = 0.0, 0.0  # the same over its last ~50 runs (LONG_DECAY), no prior
         self.off_rounds, self.probe_every = 0, probe_first
         self.one_hot = False       # its drafts are verified as one-hot q (no probabilities): step 3 may cut them
         self.retired = False       # out for the rest of this request
@@ -72,6 +77,23 @@ class _Source:
     @property
     def efficiency(self) -> float:
         return self.gain / max(1e-9, self.steps)
+
+    @property
+    def long_efficiency(self) -> float:
+        """Tokens per plain step over its last ~50 runs, the runs that found nothing included: what running it
+        every round has given lately (0 until its runs make `LONG_LEAST` plain steps)."""
+        return self.long_gain / self.long_steps if self.long_steps >= LONG_LEAST else 0.0
+
+    def record(self, emitted: float, steps: float, decay: float) -> None:
+        """A round it ran in: `emitted` tokens (its draft's, or its expected value where another's won) in `steps`
+        plain steps."""
+        self.gain, self.steps = decay * self.gain + emitted, decay * self.steps + steps
+        self.record_long(emitted, steps)
+
+    def record_long(self, emitted: float, steps: float) -> None:
+        """A run in the long record only (one that found nothing while another part's draft was verified)."""
+        self.long_gain = LONG_DECAY * self.long_gain + emitted
+        self.long_steps = LONG_DECAY * self.long_steps + steps
 
     def add_cost(self, k: int, seconds: float, steady: bool = True) -> None:
         """A run's seconds; `steady`: it ran in the round before too. Only steady runs time a run: the first after
@@ -199,8 +221,8 @@ class AutoPolicy(LengthPolicy):
             src = self.source(name)
             if src.retired:
                 continue
-            cheap = self.is_cheap(src)
-            if (cheap and (self._greedy or src.one_hot)) or src.efficiency >= 1.0 - self.tolerance:
+            cuttable = self._greedy or src.one_hot  # step 3 may cut its drafts
+            if (cuttable and (self.is_cheap(src) or src.long_efficiency >= 1.0)) or src.efficiency >= 1.0 - self.tolerance:
                 src.off_rounds, src.probe_every = 0, self.probe_first
                 src.sit_out_gap = 1
                 plan.append(name)
@@ -236,17 +258,20 @@ class AutoPolicy(LengthPolicy):
         self._current = source
 
     # --- lengths --------------------------------------------------------------------------------
+    def _horizon(self) -> int:
+        """The longest draft a round may verify: `max_draft`, within the round's verify curve."""
+        return min(self.max_draft, len(self._curve) - 1)
+
     def _estimates(self, name: str, confidences: Sequence[float]) -> tuple:
         src = self.source(name)
-        horizon = min(self.max_draft, len(self._curve) - 1)
-        return src, src.acceptance.probabilities(list(confidences), horizon)
+        return src, src.acceptance.probabilities(list(confidences), self._horizon())
 
     def next_increment(self, confidences: Sequence[float]) -> int:
         if self._current is None:
             raise DiffspecError("the auto policy was asked for a draft length outside a planned round")
         src = self.source(self._current)
         drafted = len(confidences)
-        horizon = min(self.max_draft, len(self._curve) - 1)
+        horizon = self._horizon()
         if drafted >= horizon:
             return 0
         free_tokens = src.draft_cost.per_token_s < 0.02 * self._curve[0]
@@ -293,16 +318,16 @@ class AutoPolicy(LengthPolicy):
         if chosen:
             src = self.source(chosen)
             src.acceptance.update(stats.confidences, stats.accepted)
-            steps = (spent + self._verify(stats.drafted)) / v0
-            src.gain = self.decay * src.gain + stats.emitted
-            src.steps = self.decay * src.steps + steps
-        for name, k, seconds in stats.draft_costs:  # a proposal that ran and lost: its own expected value
-            if name != chosen and name in self._values:
+            src.record(stats.emitted, (spent + self._verify(stats.drafted)) / v0, self.decay)
+        for name, k, seconds in stats.draft_costs:  # a part that ran and was not verified
+            if name == chosen:
+                continue
+            if name in self._values:  # its proposal lost: its own expected value
                 value, _, own = self._values[name]
-                src = self.source(name)
                 steps = (own + v0) / v0
-                src.gain = self.decay * src.gain + value * steps
-                src.steps = self.decay * src.steps + steps
+                self.source(name).record(value * steps, steps, self.decay)
+            else:  # it found nothing: a plain step's token, at its run's cost
+                self.source(name).record_long(1.0, (seconds + v0) / v0)
 
     def _verify(self, k: int) -> float:
         return self._curve[min(k, len(self._curve) - 1)]
