@@ -413,7 +413,8 @@ def test_a_reader_that_never_pays_is_retired_and_the_target_stops_computing_its_
                                                                                                tokenizer):
     """Its probes up to probe_max lose: it is out for the rest of the request and no pass computes hidden states
     after that round; it sits out the next request (no hidden states even in the prefill), is live in the one
-    after, and then sits out two. The output stays the target's greedy output throughout."""
+    after, where its first lost probe retires it again, and then sits out two. The output stays the target's
+    greedy output throughout."""
     drafter = WrongReader(len(tokenizer))
     policy = AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8)
     engine = SpeculativeEngine(target, drafter, policy)
@@ -438,6 +439,37 @@ def test_a_reader_that_never_pays_is_retired_and_the_target_stops_computing_its_
     live = [h > 0 for h in hidden_rounds]
     assert live == [True, False, True, False, False, True]
     assert all(0 < h < 0.7 * n for h in hidden_rounds if h)  # retired well before the end
+    # live again without having paid since: its first lost probe (after probe_first off rounds) retires it (before,
+    # its probes went up to probe_max again: 6 rounds of hidden states here)
+    assert hidden_rounds[2] <= policy.probe_first + 2 and hidden_rounds[5] <= policy.probe_first + 2
+
+
+def test_a_reader_whose_calibration_loses_starts_off_and_its_first_lost_probe_retires_it(target, tiny_model, tokenizer):
+    """The calibration record (acceptance ~0, a draft costing half a step) says it loses here: the first request
+    already costs only ~probe_first rounds of hidden states (before: the full probe schedule, up to probe_max). A
+    record that says it pays changes nothing: it starts on."""
+    losing, paying = AcceptanceCounts(), AcceptanceCounts()
+    for _ in range(40):
+        losing.add([0.5] * 4, 0)
+        paying.add([0.9] * 4, 4)
+    prompt, n = [11, 12, 13], 60
+    reference = reference_greedy(tiny_model, prompt, n, stop_ids=())
+    policy = AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8)
+    engine = SpeculativeEngine(target, WrongReader(len(tokenizer)), policy)
+    policy.seed("wrong-reader", {"costs": [[4, 0.005]], "acceptance": losing.to_json()})
+    assert policy.calibrated_value("wrong-reader") < 0.9
+    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == reference
+    assert 0 < result.hidden_state_rounds <= policy.probe_first + 2
+    assert result.rounds[0].speculation_off  # off from the first round
+
+    policy = AutoPolicy(costs=FLAT, calibrate=False, probe_first=2, probe_max=8)  # a GPU's costs: it pays there
+    engine = SpeculativeEngine(target, WrongReader(len(tokenizer)), policy)
+    policy.seed("wrong-reader", {"costs": [[4, 0.0001]], "acceptance": paying.to_json()})
+    assert policy.calibrated_value("wrong-reader") > 1.0
+    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == reference
+    assert not result.rounds[0].speculation_off and result.hidden_state_rounds > policy.probe_first + 2
 
 
 def test_a_live_reader_is_probed_before_it_is_retired_even_when_probe_first_is_probe_max(target, tokenizer):
@@ -538,6 +570,26 @@ def test_combined_drafter_names_and_refusals(target, tiny_model, tokenizer):
         CombinedDrafter([PromptLookupDrafter()])
     with pytest.raises(DiffspecError, match="each part"):
         make_drafter("prompt-lookup+none", target)
+
+
+def test_combined_drafter_with_one_part_planned_passes_its_draft_through_unweighed(target, tiny_model):
+    """With the other part off (or retired), nothing competes: the part's draft goes to the verifier as it is, with
+    its source and time, and the policy is not asked to value it (a length search a round, ~40 us in the engine)."""
+    import torch
+
+    from diffspec.types import SamplingParams
+
+    prompt = [5, 6, 7]
+    full = prompt + reference_greedy(tiny_model, prompt, 12)
+    right, wrong = ScriptedDrafter(full, confidence=0.9), RandomDrafter(target.vocab_size, seed=2)
+    wrong.name = "wrong"
+    policy = AutoPolicy(costs=FLAT, calibrate=False)
+    policy.plan_round(len(prompt), ("wrong", "scripted"))
+    policy._plan = ("scripted",)  # the random part is off this round
+    policy.draft_value = lambda *a, **k: pytest.fail("a lone proposal was valued")
+    draft = CombinedDrafter([wrong, right]).propose(torch.tensor(prompt), policy, 8, SamplingParams(), None)
+    assert draft.source == "scripted" and draft.tokens.tolist() == full[3:3 + len(draft)] and len(draft) >= 1
+    assert [c[:2] for c in draft.costs] == [("scripted", len(draft))] and draft.costs[0][2] >= 0
 
 
 def test_combined_drafter_verifies_the_better_proposal(target, tiny_model):

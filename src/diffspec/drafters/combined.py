@@ -82,10 +82,15 @@ class CombinedDrafter(Drafter):
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
                 sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
         planned = policy.planned_sources()
+        running = [part for part in self.parts if planned is None or part.name in planned]
+        if len(running) == 1:  # one part planned (the others off or retired): nothing to weigh its draft against
+            part = running[0]
+            policy.select(part.name)
+            t0 = time.perf_counter()
+            draft = part.propose(context, policy, limit, sampling, generator)
+            return replace(draft, source=part.name, costs=((part.name, len(draft), time.perf_counter() - t0),))
         best, best_value, costs, passes = None, float("-inf"), [], 0
-        for part in self.parts:
-            if planned is not None and part.name not in planned:
-                continue
+        for part in running:
             if best is not None and policy.prior_value(part.name) <= best_value:
                 continue  # the proposal in hand is worth more than this part usually is
             policy.select(part.name)

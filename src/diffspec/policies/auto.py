@@ -35,7 +35,9 @@ source whose probes keep losing is *retired*: once it is off and its probe gap h
 it stops for the rest of the request, the engine stops asking the target for hidden states
 (`wants_hidden_states`), and it sits out the next 1, 2, 4 .. `sit_out_max` requests (the gap doubles
 each time it is retired again, and starts over at 1 once it pays). A request in which it is live starts
-its probes at `probe_first` again. `retire_readers=False` keeps it reading every round.
+its probes at `probe_first` again, and while it has not paid since it was retired, its first lost probe
+retires it again (a live request then costs ~`probe_first` rounds of hidden states, not the ~2 x
+`probe_max` a first request's schedule takes). `retire_readers=False` keeps it reading every round.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ from ..costs import CostTable, DraftCost, fit_draft_cost
 from ..errors import DiffspecError
 from .acceptance import AcceptanceCounts, AcceptanceModel
 from .base import LengthPolicy
-from .choice import best_length, best_rate
+from .choice import best_length, best_rate, round_rates
 
 
 FOLLOW_UP = 2.0  # a probe runs two rounds where the source's run was timed under this many times the cheap limit
 LONG_DECAY = 0.98  # the long record's decay per run (~50 runs)
 LONG_LEAST = 8.0   # the long record speaks once it holds this many plain steps (no prior: it is evidence only)
+CALIBRATION_CONTEXT = 256  # the context at which a calibration record is valued
 
 
 class _Source:
@@ -181,12 +184,32 @@ class AutoPolicy(LengthPolicy):
             self.calibration[part.name] = origin
 
     def seed(self, name: str, record: dict) -> None:
-        """A calibration record ({'costs': [[k, s]..], 'acceptance': counts}) as this source's prior."""
+        """A calibration record ({'costs': [[k, s]..], 'acceptance': counts}) as this source's prior. Where the record
+        says the source loses on this machine (`calibrated_value` under 1 - tolerance), its record starts there
+        instead of at `prior_efficiency`, so it starts off; a reader of hidden states is then treated as retired once
+        before, so that its first lost probe retires it (a live first request costs ~`probe_first` rounds of hidden
+        states, not the ~2 x `probe_max` of the full schedule)."""
         src = self.source(name)
         for k, s in record.get("costs", []):
             src.add_cost(int(k), float(s))
         if record.get("acceptance"):
             src.acceptance.seed(AcceptanceCounts.from_json(record["acceptance"]))
+            if self.costs is not None:
+                value = self.calibrated_value(name)
+                if value < 1.0 - self.tolerance:
+                    src.gain, src.steps = value, 1.0
+                    if name in self._readers:
+                        src.sit_out_gap = max(src.sit_out_gap, 2)
+
+    def calibrated_value(self, name: str) -> float:
+        """Tokens per plain step of a round at the source's best draft length k >= 1, from what it has learnt (its
+        acceptance by draft position, its draft cost) on this machine's verify curve at context
+        `CALIBRATION_CONTEXT`."""
+        src = self.source(name)
+        curve = self.verify_curve(CALIBRATION_CONTEXT)
+        p = src.acceptance.probabilities([], len(curve) - 1)
+        rates = round_rates(p, curve, src.draft_cost.curve(len(p)))
+        return max(rates[1:]) * curve[0]
 
     # --- per request and per round --------------------------------------------------------------
     def begin_request(self, greedy: bool) -> None:
@@ -231,7 +254,9 @@ class AutoPolicy(LengthPolicy):
                 src.follow = False
                 plan.append(name)
                 continue
-            if name in self._readers and self.retire_readers and src.probed and src.probe_every >= self.probe_max:
+            lost_enough = src.probe_every >= self.probe_max or src.sit_out_gap > 1  # its probes up to probe_max
+            # lost, or it was retired before (or its calibration lost) and has not paid since: one lost probe will do
+            if name in self._readers and self.retire_readers and src.probed and lost_enough:
                 src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
                 src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
                 continue
