@@ -14,18 +14,8 @@ import torch
 from diffspec.backends import load_target
 from diffspec.bench.prompts import load_bench_prompts
 from diffspec.drafters.prompt_lookup import NgramIndex, PromptLookupDrafter
+from verify_curve import c  # the curve, beside this script
 
-CURVE = {0: 6.87, 1: 8.20, 2: 10.68, 4: 14.71, 8: 23.97}  # ms, the eleventh session's in-engine medians
-
-
-def c(k):
-    ks = sorted(CURVE)
-    if k in CURVE:
-        return CURVE[k]
-    for a, b in zip(ks, ks[1:]):
-        if a < k < b:
-            return CURVE[a] + (CURVE[b] - CURVE[a]) * (k - a) / (b - a)
-    return CURVE[8] + (k - 8) * (CURVE[8] - CURVE[4]) / 4
 
 METHOD = "prompt-lookup:policy=auto"
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -14,19 +14,9 @@ import torch
 from diffspec.backends import load_target
 from diffspec.bench.prompts import load_bench_prompts
 from diffspec.drafters.prompt_lookup import PromptLookupDrafter, find_continuation
+from verify_curve import c  # the curve, beside this script
 
 METHOD = sys.argv[2] if len(sys.argv) > 2 else "prompt-lookup:policy=auto"
-CURVE = {0: 6.87, 1: 8.20, 2: 10.68, 4: 14.71, 8: 23.97}
-
-
-def c(k):
-    ks = sorted(CURVE)
-    if k in CURVE:
-        return CURVE[k]
-    for a, b in zip(ks, ks[1:]):
-        if a < k < b:
-            return CURVE[a] + (CURVE[b] - CURVE[a]) * (k - a) / (b - a)
-    return CURVE[8] + (k - 8) * (CURVE[8] - CURVE[4]) / 4
 
 
 def run_of(ids, out, pos, start):
