@@ -20,7 +20,7 @@ from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 ROW_KEYS = {"method", "dataset", "prompt_id", "wall_time_s", "new_tokens", "tokens_per_s", "mean_accepted_length",
             "target_forward_passes", "drafter_forward_passes", "token_ids", "lossless", "speedup", "draft_time_s",
             "verify_time_s", "round_drafted", "round_accepted", "speculation_off_rounds", "draft_length_histogram",
-            "hidden_state_rounds"}
+            "hidden_state_rounds", "pass_round_draft_time_s"}
 SUMMARY_ROUND_KEYS = {"rounds", "speculation_off_rounds", "speculation_off_share", "draft_length_histogram",
                       "hidden_state_rounds"}
 
@@ -62,6 +62,9 @@ def check_round_fields(row):
     assert sum(int(k) * n for k, n in hist.items()) == row["drafted_tokens"]
     assert 0 <= off <= hist.get("0", 0)  # an off round verifies no drafted token
     assert 0 <= row["hidden_state_rounds"] <= (row["rounds"] or 0)
+    if row["pass_round_draft_time_s"] is not None:  # engine rows: part of the drafting time, none without a pass
+        assert 0 <= row["pass_round_draft_time_s"] <= row["draft_time_s"] + 1e-5
+        assert row["pass_round_draft_time_s"] == 0 or row["drafter_forward_passes"] > 0
 
 
 def check_summary_round_fields(entry, rows):
@@ -298,7 +301,17 @@ def test_round_profile_splits_wall_time_per_round():
     (p,) = round_profile(rows)  # HF methods cannot be split, so they are left out
     assert p["method"] == "x" and p["rounds"] == 40 and p["tokens_per_round"] == 2.5
     assert (p["ms_per_round"], p["draft_ms"], p["verify_ms"], p["prefill_ms"], p["other_ms"]) == (100, 20, 60, 10, 10)
-    assert p["ms_per_drafter_pass"] == round(1000 * 0.8 / 8, 2)
+    assert p["ms_per_drafter_pass"] == round(1000 * 0.8 / 8, 2)  # rows that cannot tell: all drafting time
+
+
+def test_ms_per_drafter_pass_counts_only_the_rounds_that_ran_a_pass():
+    """A combined drafter's pass-free part (prompt lookup) drafts in every round; the diffusion part's passes are
+    rare. All drafting time over the passes made one 10 ms pass read 300 ms (the twelfth session's bench)."""
+    from diffspec.bench.report import round_profile
+    rows = [dict(_row("combo", "a", 1.0), wall_time_s=1.0, rounds=100, draft_time_s=0.03, verify_time_s=0.8,
+                 prefill_time_s=0.1, new_tokens=150, drafter_forward_passes=1, pass_round_draft_time_s=0.0101)]
+    (p,) = round_profile(rows)
+    assert p["ms_per_drafter_pass"] == 10.1 and p["draft_ms"] == 0.3
 
 
 # --- end to end --------------------------------------------------------------------------------

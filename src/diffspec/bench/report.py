@@ -140,7 +140,9 @@ def summarize(rows: Sequence[dict]) -> list:
 def round_profile(rows: Sequence[dict]) -> list:
     """Where a round's time goes, per method over all prompts (engine methods only): ms per round
     of drafting, of the verify pass (+ acceptance and cache rollback), of prefill spread over the
-    rounds, and the rest (sampling bookkeeping, stop checks, detokenising, drafter feedback)."""
+    rounds, and the rest (sampling bookkeeping, stop checks, detokenising, drafter feedback); and ms per
+    drafter pass: the drafting time of the rounds that ran a pass over the passes (a row without that
+    time, from a runner that cannot tell, counts all its drafting time)."""
     out = []
     for method in dict.fromkeys(r["method"] for r in rows):
         rs = [r for r in rows if r["method"] == method and r.get("rounds") and r.get("draft_time_s") is not None]
@@ -151,13 +153,15 @@ def round_profile(rows: Sequence[dict]) -> list:
         draft = sum(r["draft_time_s"] for r in rs)
         verify = sum(r["verify_time_s"] for r in rs)
         prefill = sum(r.get("prefill_time_s") or 0.0 for r in rs)
+        pass_draft = sum(r["draft_time_s"] if r.get("pass_round_draft_time_s") is None else r["pass_round_draft_time_s"]
+                         for r in rs)
         has_prefill = all(r.get("prefill_time_s") is not None for r in rs)
         ms = lambda x: round(1000 * x / rounds, 2)  # noqa: E731
         out.append({"method": method, "rounds": rounds, "tokens_per_round": round(sum(r["new_tokens"] for r in rs) / rounds, 3),
                     "ms_per_round": ms(wall), "draft_ms": ms(draft), "verify_ms": ms(verify),
                     "prefill_ms": ms(prefill) if has_prefill else None,
                     "other_ms": ms(wall - draft - verify - prefill),
-                    "ms_per_drafter_pass": round(1000 * draft / max(1, sum(r["drafter_forward_passes"] for r in rs)), 2)
+                    "ms_per_drafter_pass": round(1000 * pass_draft / max(1, sum(r["drafter_forward_passes"] for r in rs)), 2)
                     if any(r["drafter_forward_passes"] for r in rs) else None})
     return out
 
@@ -224,7 +228,9 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
         lines += ["", "## Where a round's time goes (all prompts)", "",
                   "Per draft-verify round, in ms: drafting; the verify pass with acceptance and cache rollback; "
                   "prefill spread over the rounds (- when not recorded: then it is inside 'other'); the rest "
-                  "(bookkeeping, stop checks, detokenising, drafter feedback).", "",
+                  "(bookkeeping, stop checks, detokenising, drafter feedback); ms / drafter pass = the drafting "
+                  "time of the rounds that ran a drafter pass, over the passes (a pass-free part's time in other "
+                  "rounds, e.g. prompt lookup's, left out).", "",
                   "| method | rounds | tokens / round | ms / round | draft | verify | prefill | other | ms / drafter pass |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for p in profile:

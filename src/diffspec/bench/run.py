@@ -128,6 +128,8 @@ def _row(spec, runner, prompt, prompt_ids, times, outcome, base_time, plain_ids,
         "round_drafted": [r[0] for r in rounds], "round_accepted": [r[1] for r in rounds],
         "round_emitted": [r[2] for r in rounds], "speculation_off_rounds": outcome.speculation_off_rounds,
         "hidden_state_rounds": outcome.hidden_state_rounds,
+        "pass_round_draft_time_s": None if outcome.pass_round_draft_time_s is None
+        else round(outcome.pass_round_draft_time_s, 5),
         "draft_length_histogram": histogram_from_round_drafted([r[0] for r in rounds]),
         "finish_reason": outcome.finish_reason,
         "weights": runner.weights, "policy": runner.policy, "backend": getattr(runner, "backend", "transformers"),

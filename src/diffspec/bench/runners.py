@@ -37,6 +37,8 @@ class Outcome:
     speculation_off_rounds: rounds in which the policy ran no drafter (a plain step by choice; 0 for
         methods without such a policy).
     hidden_state_rounds: rounds whose verify pass returned the target's hidden states for the drafter.
+    pass_round_draft_time_s: drafting seconds in the rounds that ran a drafter pass (engine methods; None where
+        the method cannot tell): a pass-free part of a combined drafter (prompt lookup) drafts in other rounds too.
     """
 
     token_ids: tuple
@@ -51,6 +53,7 @@ class Outcome:
     prefill_time_s: Optional[float] = None
     speculation_off_rounds: int = 0
     hidden_state_rounds: int = 0
+    pass_round_draft_time_s: Optional[float] = None
 
 
 class Runner:
@@ -91,7 +94,8 @@ class EngineRunner(Runner):
                        draft_time_s=r.draft_time_s, verify_time_s=r.verify_time_s,
                        rounds=tuple((s.drafted, s.accepted, s.emitted) for s in r.rounds), finish_reason=r.finish_reason,
                        prefill_time_s=r.prefill_time_s, speculation_off_rounds=r.speculation_off_rounds,
-                       hidden_state_rounds=r.hidden_state_rounds)
+                       hidden_state_rounds=r.hidden_state_rounds,
+                       pass_round_draft_time_s=sum(s.draft_time_s for s in r.rounds if s.drafter_forward_passes))
 
 
 class HFRunner(Runner):
