@@ -384,6 +384,40 @@ def test_a_drafter_whose_empty_runs_cost_more_than_the_cheap_limit_runs_while_ru
     assert policy.sources["costly-look"].long_efficiency < 1.0
 
 
+class PaysThenNot(ScriptedDrafter):
+    """A costly drafter (a run is half a SLOW_STEP step, like a diffusion pass): right for the answer's first 40
+    positions, then always wrong."""
+
+    name = "pays-then-not"
+
+    def __init__(self, full, prompt_len):
+        super().__init__(full, confidence=0.9)
+        self.prompt_len, self.calls_after = prompt_len, 0
+
+    def propose(self, context, policy, limit, sampling, generator):
+        from dataclasses import replace
+
+        draft = super().propose(context, policy, limit, sampling, generator).prefix(4)
+        if context.shape[0] - self.prompt_len >= 40:
+            self.calls_after += 1
+            wrong = (draft.tokens + 1) % 50
+            draft = replace(draft, tokens=wrong)
+        return replace(draft, costs=((self.name, len(draft), 0.1),))
+
+
+def test_the_long_record_does_not_keep_a_costly_drafter_running_after_it_stops_paying(target, tiny_model):
+    """Its long record is well above 1 after 40 positions of accepted drafts; were that enough, it would run ~25
+    rounds after its last payday at half a step each (seen: 27 runs). Its runs cost over LONG_RUN_SHARE of a step,
+    so its short record switches it off within a few rounds, and only probes run it after that."""
+    prompt, n = [5, 6, 7], 120
+    full = prompt + reference_greedy(tiny_model, prompt, n, stop_ids=())
+    policy = AutoPolicy(costs=SLOW_STEP, calibrate=False)
+    drafter = PaysThenNot(full, len(prompt))
+    result = SpeculativeEngine(target, drafter, policy).generate(prompt, max_new_tokens=n, stop_token_ids=())
+    assert result.token_ids == full[3:]
+    assert drafter.calls_after <= 12, drafter.calls_after  # a few rounds, and probes after 4, 8, 16 .. off rounds
+
+
 def test_when_sampling_a_cheap_drafter_runs_every_round_only_if_its_drafts_may_be_cut(target, tiny_model, tokenizer):
     """At temperature > 0 a draft verified as one-hot q may still be cut (its tokens are a function of the context),
     so a cheap one-hot drafter runs every round as when greedy. One whose tokens are drawn from q may not be cut,
@@ -454,14 +488,19 @@ def test_a_reader_whose_calibration_loses_starts_off_and_its_first_lost_probe_re
         paying.add([0.9] * 4, 4)
     prompt, n = [11, 12, 13], 60
     reference = reference_greedy(tiny_model, prompt, n, stop_ids=())
-    policy = AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8)
-    engine = SpeculativeEngine(target, WrongReader(len(tokenizer)), policy)
-    policy.seed("wrong-reader", {"costs": [[4, 0.005]], "acceptance": losing.to_json()})
-    assert policy.calibrated_value("wrong-reader") < 0.9
-    result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
-    assert result.token_ids == reference
-    assert 0 < result.hidden_state_rounds <= policy.probe_first + 2
-    assert result.rounds[0].speculation_off  # off from the first round
+    for seed_first in (False, True):  # seeded after the engine attached the policy, or before
+        policy = AutoPolicy(costs=STEEP_MS, calibrate=False, probe_first=2, probe_max=8)
+        record = {"costs": [[4, 0.005]], "acceptance": losing.to_json()}
+        if seed_first:
+            policy.seed("wrong-reader", record)
+        engine = SpeculativeEngine(target, WrongReader(len(tokenizer)), policy)
+        if not seed_first:
+            policy.seed("wrong-reader", record)
+        assert policy.calibrated_value("wrong-reader") < 0.9
+        result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
+        assert result.token_ids == reference
+        assert 0 < result.hidden_state_rounds <= policy.probe_first + 2
+        assert result.rounds[0].speculation_off  # off from the first round
 
     policy = AutoPolicy(costs=FLAT, calibrate=False, probe_first=2, probe_max=8)  # a GPU's costs: it pays there
     engine = SpeculativeEngine(target, WrongReader(len(tokenizer)), policy)

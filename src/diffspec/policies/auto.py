@@ -8,8 +8,8 @@ Per round, three decisions, all pure functions of the cost table and the estimat
    its last few rounds (`decay`), one over its last ~50 runs (`LONG_DECAY`), runs that found nothing
    included. A source runs while its short record is at least 1 - `tolerance`. Where step 3 may cut
    its drafts (greedy, or a drafter whose drafts are verified as one-hot q at any temperature: prompt
-   lookup), it also runs while running it every round has paid lately (long record >= 1), or while a
-   steady run of it (found a draft or not, in a round after one it ran in: its `look_cost`) costs less
+   lookup), it also runs while running it every round has paid lately (long record >= 1, for a source
+   whose run costs under `LONG_RUN_SHARE` of a plain step), or while a steady run of it (found a draft or not, in a round after one it ran in: its `look_cost`) costs less
    than `cheap_share` of a plain step. Step 3 cuts every draft that would not pay, so such a source
    loses only its runs' cost and catches every copy: judged by its short record it would be switched
    off after a few rounds without a copy, each costing 1-3% of a step, and miss the copies that follow,
@@ -35,8 +35,8 @@ source whose probes keep losing is *retired*: once it is off and its probe gap h
 it stops for the rest of the request, the engine stops asking the target for hidden states
 (`wants_hidden_states`), and it sits out the next 1, 2, 4 .. `sit_out_max` requests (the gap doubles
 each time it is retired again, and starts over at 1 once it pays). A request in which it is live starts
-its probes at `probe_first` again, and while it has not paid since it was retired, its first lost probe
-retires it again (a live request then costs ~`probe_first` rounds of hidden states, not the ~2 x
+its probes at `probe_first` again, and while it has not paid since it was retired (or since its calibration
+said it loses here), its first lost probe retires it (a live request then costs ~`probe_first` rounds of hidden states, not the ~2 x
 `probe_max` a first request's schedule takes). `retire_readers=False` keeps it reading every round.
 """
 
@@ -55,6 +55,9 @@ from .choice import best_length, best_rate, round_rates
 FOLLOW_UP = 2.0  # a probe runs two rounds where the source's run was timed under this many times the cheap limit
 LONG_DECAY = 0.98  # the long record's decay per run (~50 runs)
 LONG_LEAST = 8.0   # the long record speaks once it holds this many plain steps (no prior: it is evidence only)
+LONG_RUN_SHARE = 0.1  # ... and only for a source whose run costs under this share of a plain step: a costlier one
+# (a diffusion drafter's pass) must answer to its short record, or it would run ~35 rounds past its last payday
+CALIBRATION_JUDGED = 16  # a calibration record sets the prior only where it judged at least this many drafted tokens
 CALIBRATION_CONTEXT = 256  # the context at which a calibration record is valued
 
 
@@ -76,6 +79,7 @@ class _Source:
         self.retired = False       # out for the rest of this request
         self.probed = False        # probed in this request (a reader is retired only after a probe lost)
         self.sit_out, self.sit_out_gap = 0, 1  # requests left to sit out; the next retirement's
+        self.lost_since_paid = False  # retired (or its calibration lost) and not paid since: one lost probe retires it
 
     @property
     def efficiency(self) -> float:
@@ -87,14 +91,16 @@ class _Source:
         every round has given lately (0 until its runs make `LONG_LEAST` plain steps)."""
         return self.long_gain / self.long_steps if self.long_steps >= LONG_LEAST else 0.0
 
-    def record(self, emitted: float, steps: float, decay: float) -> None:
+    def record(self, emitted: float, steps: float, decay: float, own_steps: Optional[float] = None) -> None:
         """A round it ran in: `emitted` tokens (its draft's, or its expected value where another's won) in `steps`
-        plain steps."""
+        plain steps (the round's: every part's drafting); the long record counts `own_steps` (its own drafting and
+        the verify), default `steps`."""
         self.gain, self.steps = decay * self.gain + emitted, decay * self.steps + steps
-        self.record_long(emitted, steps)
+        self.record_long(emitted, steps if own_steps is None else own_steps)
 
     def record_long(self, emitted: float, steps: float) -> None:
-        """A run in the long record only (one that found nothing while another part's draft was verified)."""
+        """A run in the long record only (one that found nothing while another part's draft was verified, or a
+        round's empty parts)."""
         self.long_gain = LONG_DECAY * self.long_gain + emitted
         self.long_steps = LONG_DECAY * self.long_steps + steps
 
@@ -185,21 +191,22 @@ class AutoPolicy(LengthPolicy):
 
     def seed(self, name: str, record: dict) -> None:
         """A calibration record ({'costs': [[k, s]..], 'acceptance': counts}) as this source's prior. Where the record
-        says the source loses on this machine (`calibrated_value` under 1 - tolerance), its record starts there
-        instead of at `prior_efficiency`, so it starts off; a reader of hidden states is then treated as retired once
-        before, so that its first lost probe retires it (a live first request costs ~`probe_first` rounds of hidden
-        states, not the ~2 x `probe_max` of the full schedule)."""
+        judged at least `CALIBRATION_JUDGED` drafted tokens and says the source loses on this machine
+        (`calibrated_value` under 1 - tolerance), its record starts there instead of at `prior_efficiency`, so it
+        starts off, and it counts as having lost since it last paid: a reader of hidden states is then retired at its
+        first lost probe (a live first request costs ~`probe_first` rounds of hidden states, not the ~2 x `probe_max`
+        of the full schedule)."""
         src = self.source(name)
         for k, s in record.get("costs", []):
             src.add_cost(int(k), float(s))
         if record.get("acceptance"):
-            src.acceptance.seed(AcceptanceCounts.from_json(record["acceptance"]))
-            if self.costs is not None:
+            counts = AcceptanceCounts.from_json(record["acceptance"])
+            src.acceptance.seed(counts)
+            if self.costs is not None and sum(counts.pos_judged) >= CALIBRATION_JUDGED:
                 value = self.calibrated_value(name)
                 if value < 1.0 - self.tolerance:
                     src.gain, src.steps = value, 1.0
-                    if name in self._readers:
-                        src.sit_out_gap = max(src.sit_out_gap, 2)
+                    src.lost_since_paid = True
 
     def calibrated_value(self, name: str) -> float:
         """Tokens per plain step of a round at the source's best draft length k >= 1, from what it has learnt (its
@@ -245,19 +252,23 @@ class AutoPolicy(LengthPolicy):
             if src.retired:
                 continue
             cuttable = self._greedy or src.one_hot  # step 3 may cut its drafts
-            if (cuttable and (self.is_cheap(src) or src.long_efficiency >= 1.0)) or src.efficiency >= 1.0 - self.tolerance:
+            long_pays = src.long_efficiency >= 1.0 and src.look_cost < LONG_RUN_SHARE * self._curve[0]
+            if (cuttable and (self.is_cheap(src) or long_pays)) or src.efficiency >= 1.0 - self.tolerance:
                 src.off_rounds, src.probe_every = 0, self.probe_first
-                src.sit_out_gap = 1
+                src.sit_out_gap, src.lost_since_paid = 1, False
                 plan.append(name)
                 continue
             if src.follow:  # the second round of a probe: a steady sample of what a run costs
                 src.follow = False
                 plan.append(name)
                 continue
-            lost_enough = src.probe_every >= self.probe_max or src.sit_out_gap > 1  # its probes up to probe_max
-            # lost, or it was retired before (or its calibration lost) and has not paid since: one lost probe will do
+            # its probes up to probe_max lost, or it has lost since it last paid (retired, or its calibration lost):
+            # then one lost probe will do. A probe counts once planned, whether it ran or was skipped because the
+            # proposal in hand promised more than its record (combined drafters): either way it gave nothing.
+            lost_enough = src.probe_every >= self.probe_max or src.lost_since_paid
             if name in self._readers and self.retire_readers and src.probed and lost_enough:
                 src.retired, src.sit_out = True, min(src.sit_out_gap, self.sit_out_max)  # its probes all lost
+                src.lost_since_paid = True
                 src.sit_out_gap = min(2 * src.sit_out_gap, max(1, self.sit_out_max))
                 continue
             src.off_rounds += 1
@@ -343,7 +354,9 @@ class AutoPolicy(LengthPolicy):
         if chosen:
             src = self.source(chosen)
             src.acceptance.update(stats.confidences, stats.accepted)
-            src.record(stats.emitted, (spent + self._verify(stats.drafted)) / v0, self.decay)
+            own = sum(seconds for name, _, seconds in stats.draft_costs if name == chosen)
+            verify = self._verify(stats.drafted)
+            src.record(stats.emitted, (spent + verify) / v0, self.decay, own_steps=(own + verify) / v0)
         for name, k, seconds in stats.draft_costs:  # a part that ran and was not verified
             if name == chosen:
                 continue
@@ -351,8 +364,9 @@ class AutoPolicy(LengthPolicy):
                 value, _, own = self._values[name]
                 steps = (own + v0) / v0
                 self.source(name).record(value * steps, steps, self.decay)
-            else:  # it found nothing: a plain step's token, at its run's cost
+            elif k == 0:  # it found nothing: a plain step's token, at its run's cost
                 self.source(name).record_long(1.0, (seconds + v0) / v0)
+            # else: a draft drawn from q that lost on its record alone (sampling): no value to book
 
     def _verify(self, k: int) -> float:
         return self._curve[min(k, len(self._curve) - 1)]
