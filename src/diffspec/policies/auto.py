@@ -9,13 +9,14 @@ Per round, three decisions, all pure functions of the cost table and the estimat
    included. A source runs while its short record is at least 1 - `tolerance`. Where step 3 may cut
    its drafts (greedy, or a drafter whose drafts are verified as one-hot q at any temperature: prompt
    lookup), it also runs while running it every round has paid lately (long record >= 1, for a source
-   whose run costs under `LONG_RUN_SHARE` of a plain step), or while a steady run of it (found a draft or not, in a round after one it ran in: its `look_cost`) costs less
-   than `cheap_share` of a plain step. Step 3 cuts every draft that would not pay, so such a source
-   loses only its runs' cost and catches every copy: judged by its short record it would be switched
-   off after a few rounds without a copy, each costing 1-3% of a step, and miss the copies that follow,
-   though one accepted copy of 4 tokens pays for ~100 runs that find nothing. Otherwise it is off, and
-   probed again after 4, 8, 16 .. 64 plain rounds (the gap doubles while probes keep losing). A probe's run also catches
-   up on what the source missed (prompt lookup indexes every token since its last run), so it does not time
+   whose run costs under `LONG_RUN_SHARE` of a plain step), or while a steady run of it (found a draft
+   or not, in a round after one it ran in: its `look_cost`) costs less than `cheap_share` of a plain
+   step. Step 3 cuts every draft that would not pay, so such a source loses only its runs' cost and
+   catches every copy: judged by its short record it would be switched off after a few rounds without
+   a copy, each costing 1-3% of a step, and miss the copies that follow, though one accepted copy of 4
+   tokens pays for ~100 runs that find nothing. Otherwise it is off, and probed again after 4, 8, 16 ..
+   64 plain rounds (the gap doubles while probes keep losing). A probe's run also catches up on what
+   the source missed (prompt lookup indexes every token since its last run), so it does not time
    a run; where the source might be cheap (its steady runs under `FOLLOW_UP` x the limit) the probe runs two
    rounds, and the second does. Nothing runs -> a plain step, with no drafter time at all.
 2. how far to draft (`next_increment`): the length that maximises the expected rate with the
@@ -35,9 +36,10 @@ source whose probes keep losing is *retired*: once it is off and its probe gap h
 it stops for the rest of the request, the engine stops asking the target for hidden states
 (`wants_hidden_states`), and it sits out the next 1, 2, 4 .. `sit_out_max` requests (the gap doubles
 each time it is retired again, and starts over at 1 once it pays). A request in which it is live starts
-its probes at `probe_first` again, and while it has not paid since it was retired (or since its calibration
-said it loses here), its first lost probe retires it (a live request then costs ~`probe_first` rounds of hidden states, not the ~2 x
-`probe_max` a first request's schedule takes). `retire_readers=False` keeps it reading every round.
+its probes at `probe_first` again, and while it has not paid since it was retired (or since its
+calibration said it loses here), its first lost probe retires it (a live request then costs
+~`probe_first` rounds of hidden states, not the ~2 x `probe_max` a first request's schedule takes).
+`retire_readers=False` keeps it reading every round.
 """
 
 from __future__ import annotations
