@@ -64,6 +64,7 @@ def pytest_configure(config):
 
         os.environ["DIFFSPEC_COST_CACHE"] = tempfile.mkdtemp(prefix="diffspec-test-costs-")
         os.environ.setdefault("DIFFSPEC_PLAN_REPS", "1")  # plans timed once each: they stay in this run's folder
+        os.environ.setdefault("DIFFSPEC_CALIBRATION_REPS", "1")  # verify costs likewise (llama.cpp's: 38 s at 3)
 
 
 @pytest.fixture(autouse=True)

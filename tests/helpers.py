@@ -66,3 +66,51 @@ class AlternatingPolicy(LengthPolicy):
 
     def next_increment(self, confidences):
         return self.gamma if not confidences else 0
+
+
+class CliResult:
+    """What `subprocess.run(..., capture_output=True, text=True)` returns, for a CLI run in this process."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def cli(*args) -> CliResult:
+    """`python -m diffspec.cli ARGS`, run in this process: `main(argv)` with stdout and stderr captured and its exit
+    code. A process per call spent ~3.5 s importing torch and transformers before the CLI read its first argument
+    (about 190 of the suite's ~1,550 worker-seconds, on the fastest CPU kind); `test_errors.py` still runs the real
+    entry point in a process once. As a process would: warnings are printed to stderr the way the CLI formats them
+    (under Python's default filters, not pytest's), an exception other than SystemExit prints its traceback and
+    exits 1, and what main() changes process-wide (torch's thread count, the warning format) is put back."""
+    import contextlib
+    import io
+    import sys
+    import traceback
+    import warnings
+
+    from diffspec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    threads, formatwarning = torch.get_num_threads(), warnings.formatwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.resetwarnings()  # a fresh interpreter's filters: pytest's would turn warnings into records
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        warnings.showwarning = show
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse: usage errors exit 2, --help exits 0
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
+            traceback.print_exc()
+            code = 1
+        finally:
+            torch.set_num_threads(threads)
+            warnings.formatwarning = formatwarning
+    return CliResult(int(code or 0), out.getvalue(), err.getvalue())

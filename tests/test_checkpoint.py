@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_model, reference_greedy
 from test_diffusion_drafters import conditioned_for, dllm
-from test_errors import cli
+from helpers import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.checkpoint import load_drafter, save_drafter
 from diffspec.drafter_names import make_drafter

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import reference_greedy
-from test_errors import cli
+from helpers import cli
 
 STATS_KEYS = {"rounds", "drafted_tokens", "accepted_tokens", "mean_accepted_length", "target_forward_passes",
               "drafter_forward_passes", "wall_time_s", "tokens_per_s"}

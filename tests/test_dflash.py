@@ -22,7 +22,7 @@ from transformers import Qwen3Config
 
 from conftest import make_model, reference_greedy
 from test_diffusion_drafters import conditioned_for
-from test_errors import cli
+from helpers import cli
 from diffspec import DiffspecError, FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.bench.specs import build_runner, parse_method
 from diffspec.checkpoint import load_drafter, save_drafter

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from conftest import make_model, make_tokenizer
+from helpers import cli
 from diffspec import AutoregressiveDrafter, DiffspecError, FixedPolicy, SpeculativeEngine, Target
 
 
@@ -50,8 +51,17 @@ def test_tokenizer_mismatch_is_refused(target):
         SpeculativeEngine(target, drafter)
 
 
-def cli(*args):
+def cli_process(*args):
     return subprocess.run([sys.executable, "-m", "diffspec.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_cli_as_a_process_errors_in_one_line_and_exits_2(tiny_model_dir):
+    """The real entry point once (the other CLI tests run main() in this process: helpers.cli): bad input is one
+    line on stderr and exit 2 from `python -m diffspec.cli`, no traceback."""
+    proc = cli_process("generate", "w1", "--top-p", "0", "--model", str(tiny_model_dir))
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("diffspec: error:")]
+    assert len(lines) == 1 and "top_p" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("args, word", [

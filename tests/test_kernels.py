@@ -541,3 +541,24 @@ def test_plan_reps_come_from_the_environment_and_bad_values_are_refused(monkeypa
         monkeypatch.setenv("DIFFSPEC_PLAN_REPS", bad)
         with pytest.raises(DiffspecError, match="DIFFSPEC_PLAN_REPS"):
             K.plan_reps()
+
+
+def test_calibration_reps_come_from_the_environment_and_reach_the_timing(monkeypatch, target):
+    """$DIFFSPEC_CALIBRATION_REPS: how many times a verify pass is timed (3 by default); bad values refused by name."""
+    from diffspec import costs
+
+    monkeypatch.delenv("DIFFSPEC_CALIBRATION_REPS", raising=False)
+    assert costs.calibration_reps() == 3
+    for bad in ("0", "-1", "one", ""):
+        monkeypatch.setenv("DIFFSPEC_CALIBRATION_REPS", bad)
+        with pytest.raises(DiffspecError, match="DIFFSPEC_CALIBRATION_REPS"):
+            costs.calibration_reps()
+    passes = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda ids, *a, **k: passes.append(len(ids)) or forward(ids, *a, **k))
+    for reps in (1, 2):
+        monkeypatch.setenv("DIFFSPEC_CALIBRATION_REPS", str(reps))
+        passes.clear()
+        table = costs.measure_verify_costs(target, ks=(0, 3), contexts=(8,))
+        assert table.ks == (0, 3)
+        assert passes.count(4) == reps and passes.count(1) == reps  # each k timed `reps` times (warm-ups are 2 rows)

@@ -294,16 +294,9 @@ def plan_reps() -> int:
     """Timings of each formulation when a plan is measured: 5, or $DIFFSPEC_PLAN_REPS. The test suite sets 1: its
     plans go to a cost cache of the run (never the user's), and which kernels win does not change what a test checks
     (every plan keeps speculation equal to plain decoding); timing Gemma 3's 262k-row head five times took ~1 minute."""
-    raw = os.environ.get("DIFFSPEC_PLAN_REPS")
-    if raw is None:
-        return 5
-    try:
-        reps = int(raw)
-    except ValueError:
-        reps = 0
-    if reps < 1:
-        raise DiffspecError(f"$DIFFSPEC_PLAN_REPS must be an integer >= 1 (timings per matmul formulation), got {raw!r}")
-    return reps
+    from .machine_keys import reps_from_env
+
+    return reps_from_env("DIFFSPEC_PLAN_REPS", 5, "timings per matmul formulation")
 
 
 def cached_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:

@@ -27,6 +27,23 @@ def cost_dir() -> Path:
     return Path(os.environ.get("DIFFSPEC_COST_CACHE") or cache_root() / "costs")
 
 
+def reps_from_env(variable: str, default: int, what: str) -> int:
+    """How many times a one-off measurement times each thing: `default`, or the integer >= 1 in $`variable`
+    (the test suite sets 1: its measurements go to a cost cache of the run, never the user's)."""
+    from .errors import DiffspecError
+
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        reps = int(raw)
+    except ValueError:
+        reps = 0
+    if reps < 1:
+        raise DiffspecError(f"${variable} must be an integer >= 1 ({what}), got {raw!r}")
+    return reps
+
+
 def machine_key(device) -> dict:
     """What makes a timing belong to this machine."""
     info = _host()
