@@ -322,10 +322,13 @@ def test_reference_equals_diffspec_equals_greedy_on_smollm2(tmp_path):
     for what, path in candidates.items():
         ref = reference_model(path, torch.float32)
         drafter = load_drafter(path)
-        for ids, expected in cases if what.startswith("shipped") else cases[:1]:  # random: ~0 accepted, 16-row verifies
-            assert reference_generate(ref, smol.model, ids, 48, sorted(smol.stop_token_ids)) == expected, what
+        # random: ~0 accepted, a 16-row verify a token, so 16 tokens (a prefix of greedy's 48) test it at a third
+        # of the time (the test alone: 45 -> 36 s)
+        n = 48 if what.startswith("shipped") else 16
+        for ids, expected in cases if what.startswith("shipped") else cases[:1]:
+            assert reference_generate(ref, smol.model, ids, n, sorted(smol.stop_token_ids)) == expected[:n], what
             for policy in (FixedPolicy(drafter.default_gamma), FailFastPolicy(n=4)):
-                assert SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=48).token_ids == expected
+                assert SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=n).token_ids == expected[:n]
 
 
 def test_shipped_folders_claim_the_dflash_architecture_only_when_they_are_exact():
