@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from .defaults import DEFAULT_DRAFTER, DEFAULT_POLICY  # noqa: F401 (api.DEFAULT_* as before)
 from .backends import asks_for_transformers, auto_keeps, check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
 from .drafter_names import check_drafter_dtype, make_drafter
@@ -19,8 +20,6 @@ from .engine import Prompt, SpeculativeEngine
 from .policies import LengthPolicy, make_policy
 from .types import GenerationResult, SamplingParams
 
-DEFAULT_DRAFTER = "auto"  # prompt-lookup (+ the shipped trained drafter for the target, with the auto policy)
-DEFAULT_POLICY = "auto"   # measured costs: draft length per round, speculation off where it loses
 
 _TARGETS: dict = {}
 _ENGINES: dict = {}

@@ -33,10 +33,7 @@ from .errors import DiffspecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .api import DEFAULT_DRAFTER, DEFAULT_POLICY
-    from .drafter_names import DRAFTER_NAMES
-    from .models import DEFAULT_MODEL
-    from .training.conditioned import FC_INITS
+    from .defaults import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_POLICY, DRAFTER_NAMES, FC_INITS  # no torch
 
     parser = argparse.ArgumentParser(prog="diffspec", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,7 +190,7 @@ def _add_make_data_parser(sub, default_model: str) -> None:
 
 
 def _add_eval_parser(sub, default_model: str, drafter_names) -> None:
-    from .evaluation import DEFAULT_SETS
+    from .defaults import EVALUATION_DOMAINS  # no torch
 
     v = sub.add_parser("eval-drafter", help="drafter health check: per-slot acceptance on the target's own held-out answers",
                        description="Draft blocks at anchors of the target's own greedy answers to held-out prompts "
@@ -202,7 +199,7 @@ def _add_eval_parser(sub, default_model: str, drafter_names) -> None:
                                    "are cached under $DIFFSPEC_CACHE/eval (default ~/.cache/diffspec/eval).")
     v.add_argument("drafter", help=f"one of: {', '.join(n for n in drafter_names if n != 'none')}")
     v.add_argument("--model", default=None, help=f"target (default {default_model})")
-    v.add_argument("--dataset", nargs="+", default=list(DEFAULT_SETS), help="evaluation sets (default: all three)")
+    v.add_argument("--dataset", nargs="+", default=list(EVALUATION_DOMAINS), help="evaluation sets (default: all three)")
     v.add_argument("--num-prompts", type=int, default=10, help="first N prompts of each set (default 10)")
     v.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
     v.add_argument("--block-size", type=int, default=None,
@@ -260,7 +257,7 @@ def _add_serve_parser(sub, default_model: str, default_drafter: str, default_pol
 
 
 def _add_bench_parser(sub, default_model: str) -> None:
-    from .bench.run import DEFAULT_METHODS
+    from .defaults import DEFAULT_BENCH_METHODS as DEFAULT_METHODS  # no torch
 
     b = sub.add_parser("bench", help="measure methods against plain decoding on prompt sets (lossless check built in)",
                        description="Benchmark speculative-decoding methods against plain decoding. Greedy outputs are "
@@ -288,14 +285,13 @@ def _add_bench_parser(sub, default_model: str) -> None:
 
 def add_backend_option(parser) -> None:
     """--backend, the same on generate, serve, bench and profile (see backends/__init__.py)."""
-    from .backends import BACKENDS
+    from .defaults import BACKENDS, KERNELS  # no torch
 
     parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
                         help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), "
                              "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
                              "faster and, when drafting, its verify passes measure exact (with hidden states read, for a "
                              "drafter that reads them); measured once per machine, cached)")
-    from .kernels import KERNELS
 
     parser.add_argument("--kernels", default="auto", choices=list(KERNELS),
                         help="transformers backend on a CPU: auto (default) lets each linear layer take the matmul "
@@ -307,7 +303,7 @@ def add_backend_option(parser) -> None:
                              "and transformers' own attention everywhere; q8 computes a GGUF target as llama.cpp does "
                              "(activations quantized to 8 bits against the GGUF codes in every linear layer, plain "
                              "decoding too: another arithmetic, faster wide verify passes)")
-    from .compiled import COMPILE_MODES
+    from .defaults import COMPILE_MODES
 
     parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),
                         help="transformers backend: torch.compile the target's passes. off (default); auto compiles "
@@ -425,13 +421,9 @@ def _make_data(args) -> int:
 
 
 def _generate(args) -> int:
-    from .api import load_engine
-    from .drafter_names import DRAFTER_NAMES
-    from .types import SamplingParams, format_histogram
-
     if args.list_drafters:
+        from .defaults import DEFAULT_MODEL, DRAFTER_NAMES
         from .drafter_names import TRAINABLE_KINDS, weights_for
-        from .models import DEFAULT_MODEL
 
         target_name = args.model or DEFAULT_MODEL
         for name, what in DRAFTER_NAMES.items():
@@ -445,6 +437,9 @@ def _generate(args) -> int:
     if args.max_new_tokens <= 0:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
+    from .api import load_engine  # torch and transformers: after the checks that need neither (2.7-4.5 s here)
+    from .types import SamplingParams, format_histogram
+
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend,

@@ -15,7 +15,7 @@ def policy_options(args) -> dict:
     (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
     given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
              "recalibrate": True if getattr(args, "recalibrate", False) else None}
-    from .policies import POLICY_SETTINGS
+    from .defaults import POLICY_SETTINGS  # no torch: refused before anything heavy loads
 
     reads = POLICY_SETTINGS[args.policy]
     flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}

@@ -79,9 +79,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .defaults import COMPILE_MODES  # noqa: F401 (compiled.COMPILE_MODES as before; the CLI reads it without torch)
 from .errors import DiffspecError
 
-COMPILE_MODES = ("off", "on", "auto")
 #: the widths compiled under `on`: a pass runs the smallest that holds it (padded), wider ones run eager.
 #: From MKL's GEMM cost per row count (2-core AVX-512 EPYC, benchmarks/results/issue19_engine/
 #: gemm_rows_avx512.txt; MKL's blocking favours multiples of 8): a pass's linears cost 38 ms at 8 rows,

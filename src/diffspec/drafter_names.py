@@ -17,27 +17,12 @@ from typing import Optional
 import torch
 
 from .checkpoint import PRESETS, load_drafter, random_drafter, shipped_drafter_path
+from .defaults import DRAFTER_NAMES  # noqa: F401 (the names live there, read here)
 from .devices import DTYPES
 from .drafters import AutoregressiveDrafter, CombinedDrafter, Drafter, PromptLookupDrafter
 from .errors import DiffspecError
 from .hub import hub_folder, looks_like_hub_id
 
-DRAFTER_NAMES = {
-    "auto": "the default: with the auto policy, prompt-lookup+KIND when a trained drafter ships for this target; "
-            "else the shipped drafter if measurement made it the default, else prompt-lookup",
-    "none": "no drafter: plain autoregressive decoding through the same engine (the fair baseline)",
-    "prompt-lookup": "n-gram copy from the prompt and the text so far (training-free)",
-    "block-diffusion": "block-diffusion dLLM (Fast-dLLM v2 semantics), FailFast's drafter",
-    "masked-diffusion": "masked-diffusion dLLM with T denoising steps (SpecDiff)",
-    "conditioned": "target-conditioned block drafter reading the target's hidden states (DFlash-style)",
-    "ar:PATH": "an autoregressive draft model (folder, .gguf or hub id) sharing the target's tokenizer",
-    "PATH": "a drafter folder (config.json + model.safetensors) written by diffspec, or a DFlash checkpoint "
-            "(folder or hub id owner/name)",
-    "A+B": "two drafters combined, e.g. prompt-lookup+conditioned: each round the proposal worth more is verified "
-           "(put the cheap one first)",
-    "fast-dllm-v2:PATH": "a Fast-dLLM v2 checkpoint (Qwen2 body, block 32, sub-block 8, shifted, mask 151665)",
-    "dream:PATH": "a Dream checkpoint (Qwen2 body, bidirectional, shifted, mask 151666)",
-}
 TRAINABLE_KINDS = ("block-diffusion", "masked-diffusion", "conditioned")
 
 

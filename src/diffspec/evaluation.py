@@ -32,10 +32,11 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .defaults import EVALUATION_DOMAINS
 from .errors import DiffspecError
 from .output import pyplot_or_warn, write_atomically
 
-DOMAINS = {"humaneval": "code", "mtbench": "chat", "champ": "math"}  # evaluation set -> domain
+DOMAINS = EVALUATION_DOMAINS  # evaluation set -> domain
 DEFAULT_SETS = tuple(DOMAINS)
 DEFAULT_BLOCK_SIZE = 16  # for a drafter with no per-round cap
 COLLAPSE_TAU = 1.2       # tau below this: the drafter gets (almost) nothing accepted

@@ -64,12 +64,12 @@ import torch
 import torch.nn.functional as F
 
 from . import q8_linear
+from .defaults import KERNELS  # noqa: F401 (kernels.KERNELS as before; the CLI reads it without torch)
 from .errors import DiffspecError
 from .packed_linear import current_pack, kernel_key, linear_groups, output_head, pack_model, packed_linear, routing_changed
 from .packed_linear import unavailable as packed_unavailable
 from .timing import median_seconds
 
-KERNELS = ("auto", "multi-row", "stock", "q8")
 #: row counts timed; a pass of m rows uses the plan of the largest bucket <= m
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 #: mm(W, x^T), or the packed kernel, is taken only where it was at least this much faster (noise must not flip a choice)

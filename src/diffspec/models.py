@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch
 
+from .defaults import DEFAULT_MODEL  # noqa: F401 (models.DEFAULT_MODEL as before)
 from .errors import DiffspecError
 from .output import read_or_fill
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..defaults import BACKENDS  # noqa: F401 (backends.BACKENDS as before; the CLI reads it without torch)
 from ..errors import DiffspecError
 
-BACKENDS = ("auto", "transformers", "llama.cpp")
 
 
 def check_backend(name: str) -> None:

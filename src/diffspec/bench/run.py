@@ -26,6 +26,7 @@ from typing import Optional, Sequence, TextIO
 import torch
 
 from ..cache import common_prefix_length
+from ..defaults import DEFAULT_BENCH_METHODS
 from ..devices import host_info as machine_info
 from ..errors import DiffspecError
 from ..types import SamplingParams
@@ -34,7 +35,7 @@ from .prompts import load_bench_prompts
 from .report import histogram_from_round_drafted
 from .specs import build_runner, expand_methods
 
-DEFAULT_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")
+DEFAULT_METHODS = DEFAULT_BENCH_METHODS
 
 
 @dataclass(frozen=True)

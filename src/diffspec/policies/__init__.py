@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..defaults import POLICY_SETTINGS
 from ..errors import DiffspecError
 from .auto import AutoPolicy
 from .base import LengthPolicy
@@ -11,9 +12,9 @@ from .failfast import FailFastPolicy, failfast_next_increment
 from .fixed import FixedPolicy
 
 POLICY_NAMES = ("auto", "fixed", "failfast")
-# the settings each policy reads (make_policy's keywords); a setting given for a policy that does not
-# read it is refused by name (cli_options.policy_options, the bench's method parameters)
-POLICY_SETTINGS = {"fixed": ("gamma",), "failfast": ("tau", "n", "n_max"), "auto": ("recalibrate",)}
+# POLICY_SETTINGS (defaults.py, imported above): the settings each policy reads (make_policy's keywords); a
+# setting given for a policy that does not read it is refused by name (cli_options.policy_options, the bench's
+# method parameters)
 
 
 def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: int = 10, n_max: int = 60,

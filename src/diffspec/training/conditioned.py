@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from ..defaults import FC_INITS  # noqa: F401 (training.conditioned.FC_INITS as before)
 from ..drafters.conditioned import ConditionedDraftModel
 
 
@@ -32,9 +33,6 @@ def init_from_target(model: ConditionedDraftModel, target_model) -> int:
             model.norm.weight.copy_(src.to(model.norm.weight.dtype))
             copied += 1
     return copied
-
-
-FC_INITS = ("random", "lowest-layer")
 
 
 def pass_lowest_layer_through(model: ConditionedDraftModel) -> int:
