@@ -78,12 +78,15 @@ class CliResult:
 def cli(*args) -> CliResult:
     """`python -m diffspec.cli ARGS`, run in this process: `main(argv)` with stdout and stderr captured and its exit
     code. A process per call spent ~3.5 s importing torch and transformers before the CLI read its first argument
-    (about 190 of the suite's ~1,550 worker-seconds, on the fastest CPU kind); `test_errors.py` still runs the real
+    (about 190 of the suite's ~1,510 worker-seconds, on the fastest CPU kind); `test_errors.py` still runs the real
     entry point in a process once. As a process would: warnings are printed to stderr the way the CLI formats them
-    (under Python's default filters, not pytest's), an exception other than SystemExit prints its traceback and
-    exits 1, and what main() changes process-wide (torch's thread count, the warning format) is put back."""
+    (under Python's default filters, not pytest's), transformers' log lines go to the captured stderr too (its
+    handler keeps the stream it was made with: pointed at the capture meanwhile), an exception prints its traceback
+    and exits 1, and what main() changes process-wide (torch's thread count, the warning format) is put back.
+    Not captured: what C code writes to file descriptors 1 and 2 (llama.cpp's logs); no caller asserts on it."""
     import contextlib
     import io
+    import logging
     import sys
     import traceback
     import warnings
@@ -96,6 +99,10 @@ def cli(*args) -> CliResult:
     def show(message, category, filename, lineno, file=None, line=None):
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
+    from transformers.utils import logging as hf_logging
+
+    hf_handlers = [h for h in hf_logging.get_logger().handlers if isinstance(h, logging.StreamHandler)]
+    hf_streams = [h.setStream(err) for h in hf_handlers]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.resetwarnings()  # a fresh interpreter's filters: pytest's would turn warnings into records
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
@@ -107,10 +114,12 @@ def cli(*args) -> CliResult:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
+        except Exception:  # as the interpreter would: the traceback on stderr, exit 1 (Ctrl-C and pytest's own pass)
             traceback.print_exc()
             code = 1
         finally:
             torch.set_num_threads(threads)
             warnings.formatwarning = formatwarning
+            for handler, stream in zip(hf_handlers, hf_streams):
+                handler.setStream(stream)
     return CliResult(int(code or 0), out.getvalue(), err.getvalue())

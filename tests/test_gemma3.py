@@ -78,8 +78,10 @@ def test_greedy_past_the_sliding_window_equals_transformers_generate(gemma, long
 def test_sampling_has_the_target_distribution(gemma):
     """Chi-square on the first two tokens with top-k 3 (9 cells), a random conditioned drafter
     handing q to rejection sampling: a small budget, but a rule that kept the drafter's q would
-    put almost all mass elsewhere and fail. The drafter drafts from 64 tokens (the target's candidates
-    among them), so its head is 64 rows, not Gemma's 262k: that head was half of each request's time."""
+    put almost all mass elsewhere and fail (its drafts are never accepted here, so the residual rule is
+    the tiny-model tests' to check: tests/test_engine_sampling.py). The drafter drafts from 64 tokens, so
+    its head is 64 rows, not Gemma's 262k: that head was half of each request's time, and a drafter that
+    proposes the target's candidates no more often than before tests the same rule."""
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = gemma.encode_prompt("The three primary colours are", chat=False)
     from diffspec.sampling import probs_from_logits
@@ -94,16 +96,16 @@ def test_sampling_has_the_target_distribution(gemma):
                 cells[(a, b)] = float(p1[a] * p2[b])
     candidates = {t for cell in cells for t in cell}
     others = torch.randperm(gemma.vocab_size, generator=torch.Generator().manual_seed(0))
-    draft_ids = sorted(candidates) + [t for t in others.tolist() if t not in candidates][: 64 - len(candidates)]
+    draft_ids = [t for t in others.tolist() if t not in candidates][:64]  # none of the target's: as over 262k
     engine = SpeculativeEngine(gemma, random_conditioned(gemma, draft_ids=draft_ids), FixedPolicy(3))
     counts = dict.fromkeys(cells, 0)
-    n, drafted, accepted = 120, 0, 0
+    n, drafted = 120, 0
     for seed in range(n):
         r = engine.generate(prompt, max_new_tokens=2, stop_token_ids=[], sampling=SamplingParams(1.0, top_k=3, seed=seed))
-        out, drafted, accepted = r.token_ids, drafted + r.drafted_tokens, accepted + r.accepted_tokens
+        out, drafted = r.token_ids, drafted + r.drafted_tokens
         assert (out[0], out[1]) in counts, "sampled outside the target's top-3 support"
         counts[(out[0], out[1])] += 1
-    assert drafted >= n and accepted < drafted  # every request drafted; rejections ran
+    assert drafted >= n  # every request drafted a token outside the support: each was judged
     keys = sorted(cells)
     expected = np.array([cells[k] for k in keys])
     expected = expected / expected.sum() * n  # float32 probabilities: make the totals agree exactly
