@@ -285,14 +285,13 @@ def _add_bench_parser(sub, default_model: str) -> None:
 
 def add_backend_option(parser) -> None:
     """--backend, the same on generate, serve, bench and profile (see backends/__init__.py)."""
-    from .defaults import BACKENDS, KERNELS  # no torch
+    from .defaults import BACKENDS, COMPILE_MODES, KERNELS  # no torch
 
     parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
                         help="what runs the target: llama.cpp (a GGUF file on the CPU; needs llama-cpp-python), "
                              "transformers, or auto (default: llama.cpp for a GGUF target on the CPU where it measures "
                              "faster and, when drafting, its verify passes measure exact (with hidden states read, for a "
                              "drafter that reads them); measured once per machine, cached)")
-
     parser.add_argument("--kernels", default="auto", choices=list(KERNELS),
                         help="transformers backend on a CPU: auto (default) lets each linear layer take the matmul "
                              "formulation measured faster on this machine for the pass's row count, one-row steps "
@@ -303,8 +302,6 @@ def add_backend_option(parser) -> None:
                              "and transformers' own attention everywhere; q8 computes a GGUF target as llama.cpp does "
                              "(activations quantized to 8 bits against the GGUF codes in every linear layer, plain "
                              "decoding too: another arithmetic, faster wide verify passes)")
-    from .defaults import COMPILE_MODES
-
     parser.add_argument("--compile", default="off", choices=list(COMPILE_MODES),
                         help="transformers backend: torch.compile the target's passes. off (default); auto compiles "
                              "the one-row pass at start (~30 s on a 2-core CPU) and keeps it where it measures faster "

@@ -1,6 +1,7 @@
 """The names and defaults the command line shows, in a module that imports nothing heavy: `diffspec --help` and
 a bad argument are answered without loading torch or transformers (2.7-4.5 s of imports on a 2-core CPU). The
-modules that act on these values (api, models, drafter_names, training.conditioned) import them from here."""
+modules that act on these values (api, models, drafter_names, backends, kernels, compiled, evaluation, policies,
+bench.run, training.conditioned) import them from here, under the names they had."""
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAFTER = "auto"  # prompt-lookup (+ the shipped trained drafter for the target, with the auto policy)

@@ -85,18 +85,13 @@ class CombinedDrafter(Drafter):
         running = [part for part in self.parts if planned is None or part.name in planned]
         if len(running) == 1:  # one part planned (the others off or retired): nothing to weigh its draft against
             part = running[0]
-            policy.select(part.name)
-            t0 = time.perf_counter()
-            draft = part.propose(context, policy, limit, sampling, generator)
-            return replace(draft, source=part.name, costs=((part.name, len(draft), time.perf_counter() - t0),))
+            draft, seconds = self._timed_proposal(part, context, policy, limit, sampling, generator)
+            return replace(draft, source=part.name, costs=((part.name, len(draft), seconds),))
         best, best_value, costs, passes = None, float("-inf"), [], 0
         for part in running:
             if best is not None and policy.prior_value(part.name) <= best_value:
                 continue  # the proposal in hand is worth more than this part usually is
-            policy.select(part.name)
-            t0 = time.perf_counter()
-            draft = part.propose(context, policy, limit, sampling, generator)
-            seconds = time.perf_counter() - t0
+            draft, seconds = self._timed_proposal(part, context, policy, limit, sampling, generator)
             costs.append((part.name, len(draft), seconds))
             passes += draft.forward_passes
             if not len(draft):
@@ -111,6 +106,14 @@ class CombinedDrafter(Drafter):
             best = replace(Draft.empty(context.device), source=costs[-1][0] if costs else "")
         policy.select(best.source or self.parts[0].name)  # final_length and update read this part's record
         return replace(best, costs=tuple(costs), forward_passes=passes)
+
+    @staticmethod
+    def _timed_proposal(part: Drafter, context, policy: LengthPolicy, limit: int, sampling, generator) -> tuple:
+        """(part's draft, its drafting seconds), with the policy's lengths read from that part's record."""
+        policy.select(part.name)
+        t0 = time.perf_counter()
+        draft = part.propose(context, policy, limit, sampling, generator)
+        return draft, time.perf_counter() - t0
 
     def describe(self) -> str:
         return "+".join(p.describe() for p in self.parts)
