@@ -111,6 +111,19 @@ def test_a_row_gets_the_same_bits_in_every_pass_width(kind):
         assert torch.equal(P.packed_linear(x[:rows], packed), one_by_one[:rows]), rows
 
 
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_rows_of_a_long_weight_row_keep_their_bits_where_narrow_passes_take_pairs(kind):
+    """Rows of 1536 inputs: from 5 rows the x rows of a group outgrow the L1 cache and the kernel takes weight rows
+    in pairs (TAKES_PAIRS in packed_linear.c); each row's output must stay a one-row step's, bitwise."""
+    w = gguf_weight(kind, 33, 1536, seed=4)  # odd: the last weight row goes alone
+    packed = P.pack(w)
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
+    one_by_one = torch.cat([P.packed_linear(x[i:i + 1], packed) for i in range(9)])
+    for rows in range(2, 10):
+        assert torch.equal(P.packed_linear(x[:rows], packed), one_by_one[:rows]), rows
+    torch.testing.assert_close(one_by_one, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
 ISAS = {"avx2": ("-mavx2", "-mfma"), "scalar": ()}
 
 

@@ -122,6 +122,12 @@ INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
 #endif
 #endif
 #define PAIR_GROUP_MAX (PAIR_GROUP > ROW_GROUP ? PAIR_GROUP : ROW_GROUP)
+/* A narrower pass takes pairs too when its group of x rows would not stay in the L1 cache (32 KiB a core; 24 KiB
+ * leaves room for the codes streaming past), so every weight row read them from L2 again: the 576 x 1536 down
+ * product at 6-8 rows, 88 -> 73 and 137 -> 102 us on an AVX-512 EPYC (`benchmarks/results/issue19_engine/
+ * pair_l1/`); narrow passes over short rows keep one weight row, where pairs measured slower. */
+#define PAIR_X_BYTES 24576
+#define TAKES_PAIRS(R, K) (PAIR_GROUP && ((R) > ROW_GROUP || ((R) > 4 && (K) * 4 * ((R) < ROW_GROUP ? (R) : ROW_GROUP) > PAIR_X_BYTES)))
 
 const char *diffspec_packed_isa(void) { return ISA; }
 
@@ -170,7 +176,7 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
  * rows, for passes wider than ROW_GROUP where PAIR_GROUP is set) split among `threads` OpenMP threads (torch's
  * count, passed on each call). Either way an output is computed by the same operations. */
 #define LINEAR_BODY(CALL)                                                              \
-    if (PAIR_GROUP && R > ROW_GROUP) {                                                                   \
+    if (TAKES_PAIRS(R, K)) {                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t p = 0; p < (N + 1) / 2; p++) {                                                      \
             const int64_t n = 2 * p;                                                                     \
