@@ -15,7 +15,8 @@ from diffspec.drafters import (AutoregressiveDrafter, BlockDiffusionConfig, Bloc
                                ConditionedDrafter, ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
 from diffspec.drafters.base import Drafter, DrafterCapabilities, DraftBuilder
 import diffspec.evaluation as evaluation
-from diffspec.evaluation import (anchor_positions, evaluate_drafter, leading_matches, summarize_leads, write_health)
+from diffspec.evaluation import (Continuation, anchor_positions, evaluate_drafter, leading_matches, lookup_silent_at,
+                                 summarize_leads, write_health)
 
 PROMPTS = {"humaneval": [[1, 5, 6, 7, 8, 5, 6, 7], [1, 9, 10, 11]], "mtbench": [[1, 20, 21, 22, 23, 24, 25]],
            "champ": [[1, 30, 31, 32, 33]]}
@@ -191,6 +192,44 @@ def test_pure_helpers():
     h = summarize_leads("x", ("s",), [[0, 3], [1], []], 4)
     assert h.slot_acceptance == (2 / 3, 1 / 3, 1 / 3) and h.tau == 1 + 4 / 3 and h.sequences == 2
     assert h.leading_histogram == (1, 1, 0, 1)
+    assert h.lookup_silent_anchors is None and h.lookup_silent_p1 is None  # not measured
+    h = summarize_leads("x", ("s",), [[0, 3], [1], []], 4, silent_per_sequence=[[True, False], [True], []])
+    assert (h.lookup_silent_anchors, h.lookup_silent_p1, h.lookup_silent_tau) == (2, 0.5, 1.5)
+    h = summarize_leads("x", ("s",), [[0, 3]], 4, silent_per_sequence=[[False, False]])
+    assert (h.lookup_silent_anchors, h.lookup_silent_p1, h.lookup_silent_tau) == (0, None, None)
+    with pytest.raises(ValueError):  # a flag per anchor, no fewer
+        summarize_leads("x", ("s",), [[0, 3]], 4, silent_per_sequence=[[True]])
+
+
+def test_lookup_silence_is_where_the_context_has_no_earlier_match():
+    # prompt 7 8 9 | answer 5 6 7 8 9 5 6: after "... 7 8" the bigram 7 8 was seen (followed by 9), after "5 6" at the
+    # end too; after "9 5" nothing (5 never followed 9 before), after "8 9" the prompt's 8 9 has nothing after it
+    cont = Continuation(ids=(7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 40, 41), prompt_len=3)
+    anchors = list(range(2, 10))
+    silent = lookup_silent_at(cont, anchors, 3)
+    by_anchor = dict(zip(anchors, silent))
+    assert by_anchor[6] is False and by_anchor[7] is False and by_anchor[9] is False  # ..7 8 | ..8 9 | ..5 6 recur
+    assert by_anchor[2] is True and by_anchor[3] is True and by_anchor[4] is True  # nothing seen before
+
+
+def test_the_drafter_is_scored_where_prompt_lookup_drafts_nothing(target, tiny_model, tokenizer, tmp_path):
+    """The oracle is right everywhere, so also where lookup is silent; an always-wrong drafter nowhere; the
+    anchors counted are lookup_silent_at's; prompt lookup itself is not scored beside itself."""
+    right = run(OracleDrafter(tiny_model, len(tokenizer)), target, tmp_path, block_size=4, anchors_per_sequence=None)
+    with pytest.warns(UserWarning):
+        wrong = run(OracleDrafter(tiny_model, len(tokenizer), wrong_slot=0), target, tmp_path, block_size=4,
+                    anchors_per_sequence=None)
+    for h, p1 in ((right, 1.0), (wrong, 0.0)):
+        o = h.overall
+        assert 0 < o.lookup_silent_anchors <= o.anchors
+        assert o.lookup_silent_p1 == p1 and o.lookup_silent_tau == (4.0 if p1 else 1.0)
+        assert o.lookup_silent_anchors == sum(d.lookup_silent_anchors for d in h.domains)
+    assert "where prompt lookup drafts nothing" in right.table()
+    assert right.to_dict()["overall"]["lookup_silent_p1"] == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        itself = run(PromptLookupDrafter(), target, tmp_path, block_size=4)
+    assert itself.overall.lookup_silent_anchors is None and "prompt lookup drafts nothing" not in itself.table()
 
 
 @pytest.mark.filterwarnings("ignore:no anchors on")

@@ -17,6 +17,11 @@ Per domain (humaneval: code, mtbench: chat, champ: math) and overall (anchors po
 p_k = share of anchors with L >= k (k = 1..B-1) and tau = 1 + mean(L) = 1 + sum_k p_k, the
 accepted tokens per round of a fixed block, bonus token counted. tau < 1.2 flags a collapsed
 drafter (a warning per domain).
+
+Beside prompt lookup: the default pairs a trained drafter with prompt lookup, which drafts where the
+context repeats and is then usually right. So each domain also reports the drafter's p_1 and tau on
+the anchors where prompt lookup (as the default runs it) drafts nothing: there the drafter alone must
+pay for its rounds. Not for prompt lookup itself or a combination holding it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class DomainHealth:
     tau: float                  # 1 + mean leading matches: accepted tokens per round, bonus counted
     leading_histogram: tuple    # anchors with exactly L leading matches, L = 0..B-1
     collapsed: bool             # tau < COLLAPSE_TAU
+    lookup_silent_anchors: Optional[int] = None  # anchors where prompt lookup drafts nothing (None: not measured)
+    lookup_silent_p1: Optional[float] = None     # p_1 on those anchors (None: none, or not measured)
+    lookup_silent_tau: Optional[float] = None    # tau on those anchors
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -115,6 +123,14 @@ class DrafterHealth:
         for d in self.domains + (self.overall,):
             lines.append(f"{d.domain:8s} {d.tau:6.3f} " + " ".join(f"{p:5.3f}" for p in d.slot_acceptance) +
                          f" {d.anchors:8d} {d.sequences:5d}" + ("  COLLAPSED" if d.collapsed else ""))
+        beside = [d for d in self.domains + (self.overall,) if d.lookup_silent_anchors is not None]
+        if beside:
+            lines.append("where prompt lookup drafts nothing (the default pairs them):")
+            for d in beside:
+                share = d.lookup_silent_anchors / d.anchors if d.anchors else 0.0
+                there = (f"tau {d.lookup_silent_tau:6.3f}  p1 {d.lookup_silent_p1:5.3f}"
+                         if d.lookup_silent_p1 is not None else "(no such anchor)")
+                lines.append(f"{d.domain:8s} {there}  on {d.lookup_silent_anchors} anchors ({share:.0%})")
         return "\n".join(lines)
 
 
@@ -293,10 +309,34 @@ def draft_at_anchors(drafter, cont: Continuation, truth: torch.Tensor, hidden: O
     return leads
 
 
+def lookup_silent_at(cont: Continuation, anchors: Sequence[int], block_size: int, lookup=None) -> list:
+    """Per anchor a: whether prompt lookup, as the default runs it beside a trained drafter, drafts nothing
+    after ids[:a+1] (greedy, a fixed policy of B - 1)."""
+    from .drafters.prompt_lookup import PromptLookupDrafter
+    from .policies import FixedPolicy
+    from .types import SamplingParams
+
+    lookup = lookup or PromptLookupDrafter()
+    ids = torch.tensor(cont.ids, dtype=torch.long)
+    slots = block_size - 1
+    policy, greedy = FixedPolicy(slots), SamplingParams()
+    lookup.begin(ids[:cont.prompt_len])
+    return [len(lookup.propose(ids[:a + 1], policy, slots, greedy, None)) == 0 for a in anchors]
+
+
 def summarize_leads(domain: str, sets: Sequence[str], leads_per_sequence: Sequence[Sequence[int]],
-                    block_size: int, collapse_tau: float = COLLAPSE_TAU) -> DomainHealth:
-    """Per-slot acceptance and tau of the leading-match counts of some sequences' anchors."""
+                    block_size: int, collapse_tau: float = COLLAPSE_TAU,
+                    silent_per_sequence: Optional[Sequence[Sequence[bool]]] = None) -> DomainHealth:
+    """Per-slot acceptance and tau of the leading-match counts of some sequences' anchors; with
+    `silent_per_sequence` (per anchor: prompt lookup drafts nothing there), p_1 and tau on those anchors too."""
     leads = [L for seq in leads_per_sequence for L in seq]
+    beside = {}
+    if silent_per_sequence is not None:
+        silent = [L for seq, flags in zip(leads_per_sequence, silent_per_sequence, strict=True)
+                  for L, quiet in zip(seq, flags, strict=True) if quiet]
+        beside = {"lookup_silent_anchors": len(silent),
+                  "lookup_silent_p1": sum(1 for L in silent if L >= 1) / len(silent) if silent else None,
+                  "lookup_silent_tau": 1.0 + sum(silent) / len(silent) if silent else None}
     n = len(leads)
     slots = block_size - 1
     hist = [0] * (slots + 1)
@@ -306,7 +346,7 @@ def summarize_leads(domain: str, sets: Sequence[str], leads_per_sequence: Sequen
     tau = 1.0 + sum(leads) / n
     return DomainHealth(domain=domain, sets=tuple(sets), sequences=sum(1 for s in leads_per_sequence if s),
                         anchors=n, slot_acceptance=p, tau=tau, leading_histogram=tuple(hist),
-                        collapsed=tau < collapse_tau)
+                        collapsed=tau < collapse_tau, **beside)
 
 
 def evaluate_drafter(drafter, target, sets: Sequence[str] = DEFAULT_SETS, num_prompts: int = 10,
@@ -345,15 +385,18 @@ def evaluate_drafter(drafter, target, sets: Sequence[str] = DEFAULT_SETS, num_pr
 
     plan = {s: [anchor_positions(c.prompt_len, len(c.ids), B, anchors_per_sequence) for c in conts[s]] for s in sets}
     bar = _bar(sum(len(a) for s in sets for a in plan[s]), f"drafting ({drafter.name})", progress)
-    leads = {}
+    beside_lookup = "prompt-lookup" not in drafter.name.split("+")  # prompt lookup beside itself says nothing
+    leads, silent = {}, {}
     try:
         for s in sets:
-            leads[s] = []
+            leads[s], silent[s] = [], []
             for cont, anchors in zip(conts[s], plan[s]):
                 if not anchors:
                     continue
                 truth, hidden = truth_pass(target, cont.ids, layers)
                 leads[s].append(draft_at_anchors(drafter, cont, truth, hidden, anchors, B, target.device, bar.update))
+                if beside_lookup:
+                    silent[s].append(lookup_silent_at(cont, anchors, B))
     finally:
         bar.close()
 
@@ -367,14 +410,17 @@ def evaluate_drafter(drafter, target, sets: Sequence[str] = DEFAULT_SETS, num_pr
             warnings.warn(f"no anchors on {domain} ({', '.join(members)}): every continuation is shorter than "
                           f"its prompt plus a block of {B}", stacklevel=2)
             continue
-        domains.append(summarize_leads(domain, members, seqs, B))
+        flags = [f for s in members for f in silent[s]] if beside_lookup else None
+        domains.append(summarize_leads(domain, members, seqs, B, silent_per_sequence=flags))
     every = [L for s in sets for L in leads[s]]
     if not every:
         raise DiffspecError(f"no anchors to draft at: no continuation is longer than its prompt plus a block of {B} "
                             f"(raise --max-new-tokens or lower --block-size)")
     health = DrafterHealth(drafter=drafter.describe(), target=target.name, block_size=B, num_prompts=num_prompts,
                            max_new_tokens=max_new_tokens, anchors_per_sequence=anchors_per_sequence,
-                           domains=tuple(domains), overall=summarize_leads("overall", sets, every, B),
+                           domains=tuple(domains),
+                           overall=summarize_leads("overall", sets, every, B, silent_per_sequence=[
+                               f for s in sets for f in silent[s]] if beside_lookup else None),
                            wall_time_s=time.perf_counter() - t0)
     for line in health.warnings():
         warnings.warn(line, stacklevel=2)
