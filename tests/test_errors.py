@@ -89,7 +89,8 @@ def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):
 
 
 def test_help_and_bad_arguments_answer_before_torch_loads():
-    """`diffspec --help`, each command's --help and the argument errors that need no model answer without importing
+    """`diffspec --help`, each command's --help and the argument errors that need no model (sampling settings too)
+    answer without importing
     torch or transformers (2.7-4.5 s of imports on a 2-core CPU before; ~0.15 s now): the package's names load on
     first use and the parser's choices and defaults live in defaults.py. Run in a fresh interpreter (this one has
     torch loaded)."""
@@ -100,7 +101,9 @@ out = io.StringIO()
 codes = []
 for argv in (["--help"], ["generate", "--help"], ["bench", "--help"], ["train-drafter", "--help"], ["serve", "--help"],
              ["eval-drafter", "--help"], ["make-data", "--help"], ["profile", "--help"], ["export-drafter", "--help"],
-             ["generate", ""], ["generate", "hi", "--gamma", "4"], ["generate", "hi", "--max-new-tokens", "0"]):
+             ["generate", ""], ["generate", "hi", "--gamma", "4"], ["generate", "hi", "--max-new-tokens", "0"],
+             ["generate", "hi", "--temperature", "-1"], ["generate", "hi", "--top-p", "0"],
+             ["generate", "hi", "--top-k", "-2"], ["generate", "hi", "--temperature", "0.7", "--seed", "-1"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
@@ -111,7 +114,7 @@ print(codes, heavy)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2] []", proc.stdout
+    assert proc.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2] []", proc.stdout
 
 
 def test_the_package_names_load_on_first_use():

@@ -434,10 +434,12 @@ def _generate(args) -> int:
     if args.max_new_tokens <= 0:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
-    from .api import load_engine  # torch and transformers: after the checks that need neither (2.7-4.5 s here)
-    from .types import SamplingParams, format_histogram
+    from .sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    from .api import load_engine  # torch and transformers: after the checks that need neither (2.7-4.5 s here)
+    from .types import format_histogram
+
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          quiet=args.json, drafter_dtype=args.drafter_dtype, backend=args.backend,
                          kernels=args.kernels, compile=args.compile, **options)
