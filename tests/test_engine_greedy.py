@@ -127,6 +127,19 @@ def test_stream_yields_the_final_text(target, tokenizer):
     assert "".join(pieces) == stream.result.text == target.decode(stream.result.token_ids)
 
 
+def test_generate_decodes_its_text_once_and_gets_the_streams_text(target, monkeypatch):
+    """generate reads no deltas, so it decodes once at the end, not every round; its text is the stream's."""
+    engine = SpeculativeEngine(target, PromptLookupDrafter(), FailFastPolicy())
+    streamed = engine.stream("w5 w6 w7 w5 w6", max_new_tokens=25)
+    streamed_text = "".join(streamed)
+    calls = []
+    decode = target.decode
+    monkeypatch.setattr(target, "decode", lambda ids: calls.append(len(ids)) or decode(ids))
+    r = engine.generate("w5 w6 w7 w5 w6", max_new_tokens=25)
+    assert r.num_rounds >= 2 and calls == [len(r.token_ids)]
+    assert r.text == streamed_text == streamed.result.text and r.token_ids == streamed.result.token_ids
+
+
 def test_statistics_are_consistent(target):
     engine = SpeculativeEngine(target, PromptLookupDrafter(), FailFastPolicy())
     r = engine.generate(PROMPTS[0], max_new_tokens=40, stop_token_ids=[])

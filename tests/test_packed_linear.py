@@ -290,3 +290,39 @@ def test_packed_layers_compile():
     torch._dynamo.reset()
     K.uninstall(model)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def _argmax_cases():
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(49152, generator=g), torch.randn(37, generator=g)]  # a width with a tail past the vectors
+    tie = torch.randn(100, generator=g)
+    tie[[17, 40, 99]] = tie.max() + 1  # equal largest values: the first
+    zeros = torch.full((35,), -1.0)
+    zeros[[5, 20]] = torch.tensor([-0.0, 0.0])  # -0.0 == 0.0: the first of them
+    nan = torch.randn(70, generator=g)
+    nan[[3, 50]] = float("nan")  # NaN wins, the first one (torch.argmax's rule)
+    late_nan = torch.randn(67, generator=g)
+    late_nan[66] = float("nan")  # only in the scalar tail
+    inf = torch.full((48,), float("-inf"))
+    pos_inf = torch.randn(33, generator=g)
+    pos_inf[[9, 31]] = float("inf")
+    return rows + [tie, zeros, nan, late_nan, inf, pos_inf, torch.tensor([2.5])]
+
+
+@pytest.mark.parametrize("isa", ["native"] + sorted(ISAS))
+def test_argmax_rows_gives_torchs_argmax(isa):
+    """The greedy choice read from a pass's logits in C (packed_linear.argmax_rows): the same index as torch.argmax
+    for ties, signed zeros, NaNs (anywhere, the tail included), infinities, any width and several rows at once."""
+    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    lib = P._library() if isa == "native" else P.build_library(ISAS[isa])
+    assert not isinstance(lib, P.KernelUnavailable), lib
+    for row in _argmax_cases():
+        for stack in (row[None], row.repeat(3, 1)):
+            out = torch.empty(stack.shape[0], dtype=torch.int64)
+            lib.diffspec_argmax_rows(stack.data_ptr(), stack.shape[0], stack.shape[1], out.data_ptr())
+            assert torch.equal(out, stack.argmax(dim=-1)), (row.shape, out, stack.argmax(dim=-1))
+    logits = torch.randn(1, 5, 4097)
+    assert torch.equal(P.argmax_rows(logits), logits.argmax(dim=-1))
+    assert P.argmax_rows(logits.double()).dtype == torch.int64  # other dtypes: torch's own
+    assert torch.equal(P.argmax_rows(logits[..., ::2]), logits[..., ::2].argmax(dim=-1))  # not contiguous: torch's

@@ -145,13 +145,10 @@ class PositionalLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
         if self.is_initialized and tokens_to_remove:
-            self.length = max(0, self.length + tokens_to_remove)
-            self._view()
+            self.length = max(0, self.length + tokens_to_remove)  # the views are cut when next read
 
     def reset(self) -> None:
         self.length = 0
-        if self.is_initialized:
-            self._view()
 
 
 def new_cache(config, capacity: Optional[int] = None) -> DynamicCache:

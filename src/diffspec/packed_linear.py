@@ -199,7 +199,22 @@ def build_library(isa_flags: tuple):
     lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q4_linear.restype = lib.diffspec_q8_linear.restype = None
+    lib.diffspec_argmax_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.diffspec_argmax_rows.restype = None
     return lib
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same indices (the first of equal values; the first NaN where a row holds one),
+    from the C library where it builds and the logits are contiguous float32 on the CPU (torch's own argmax took
+    ~45-90 us a 49152-wide row on a 2-core AVX-512 EPYC: ~1-2% of a plain step); else torch's."""
+    lib = _library() if logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[-1] > 0 \
+        and logits.is_contiguous() and not torch.compiler.is_compiling() else None
+    if lib is None or isinstance(lib, KernelUnavailable):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[:-1], dtype=torch.int64)
+    lib.diffspec_argmax_rows(logits.data_ptr(), out.numel(), logits.shape[-1], out.data_ptr())
+    return out
 
 
 def compile_and_load(source_file: Path, name: str, isa_flags: tuple, includes: tuple = ()):

@@ -55,7 +55,9 @@ class TargetOutput:
         argmax of the head's dot products), else the logits' argmax."""
         if self._logits is None:
             return self.head.tokens(self.final_hidden)
-        return self._logits.argmax(dim=-1)
+        from .packed_linear import argmax_rows  # torch's argmax where the C library does not build
+
+        return argmax_rows(self._logits)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
