@@ -286,6 +286,14 @@ def test_positional_views_follow_the_length_whoever_moved_it():
     assert layer.keys == "assigned"
     layer.advance(1)
     assert layer.keys.shape[-2] == 2
+    layer.keys = layer.values = "assigned"  # rolled back, then a pass back to the same length: the buffer's view
+    layer.crop(-1)
+    layer.advance(1)
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == 2
+    layer.keys = "assigned"
+    layer.reset()
+    layer.update(k[:, :, :2], k[:, :, :2])
+    assert torch.equal(layer.keys, k[:, :, :2])
     layer.reset()
     assert layer.keys.shape[-2] == 0 and layer.get_seq_length() == 0
 

@@ -145,10 +145,12 @@ class PositionalLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
         if self.is_initialized and tokens_to_remove:
-            self.length = max(0, self.length + tokens_to_remove)  # the views are cut when next read
+            self.length = max(0, self.length + tokens_to_remove)
+            self._viewed = None  # cut when next read (a pass back to this length must not find an assigned view)
 
     def reset(self) -> None:
         self.length = 0
+        self._viewed = None
 
 
 def new_cache(config, capacity: Optional[int] = None) -> DynamicCache:
