@@ -116,6 +116,10 @@ def test_a_row_gets_the_same_bits_in_every_pass_width(kind):
 def test_rows_of_a_long_weight_row_keep_their_bits_where_narrow_passes_take_pairs(kind):
     """Rows of 1536 inputs: from 5 rows the x rows of a group outgrow the L1 cache and the kernel takes weight rows
     in pairs (TAKES_PAIRS in packed_linear.c); each row's output must stay a one-row step's, bitwise."""
+    lib = P._library()
+    if lib.diffspec_packed_isa().decode() == "avx512f":  # the builds with pairs: the rule takes them here
+        assert [lib.diffspec_takes_pairs(r, 1536) for r in range(1, 10)] == [0, 0, 0, 0, 1, 1, 1, 1, 1]
+        assert [lib.diffspec_takes_pairs(r, 96) for r in range(1, 10)] == [0] * 8 + [1]
     w = gguf_weight(kind, 33, 1536, seed=4)  # odd: the last weight row goes alone
     packed = P.pack(w)
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))

@@ -61,7 +61,7 @@ class PositionalLayer(DynamicLayer):
     Keys and values are views into the buffers: they are valid until the next pass."""
 
     def __init__(self, capacity: int = 256, **kwargs):
-        self._viewed = None  # the length `keys`/`values` were last cut at (None: never, or assigned directly)
+        self._viewed = None  # the length `keys`/`values` were last cut (or assigned) at; None: cut when next read
         super().__init__(**kwargs)
         self.capacity = max(1, int(capacity))
         self.length = 0

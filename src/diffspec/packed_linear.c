@@ -112,8 +112,9 @@ INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
 
 #define VECS (BLOCK / LANES)
 /* Passes wider than ROW_GROUP take two weight rows at a time, PAIR_GROUP rows of x a time, sharing every load of x
- * (1.3-1.4x faster at 17-25 rows on an AVX-512 EPYC; slower for narrow passes, which keep one weight row). AVX2's
- * 16 registers do not hold a pair's accumulators: 0 there, one weight row always. */
+ * (1.3-1.4x faster at 17-25 rows on an AVX-512 EPYC; slower for narrow passes over short rows, which keep one weight
+ * row; narrow passes over long rows take pairs too: TAKES_PAIRS below). AVX2's 16 registers do not hold a pair's
+ * accumulators: 0 there, one weight row always. */
 #ifndef PAIR_GROUP
 #if defined(__AVX512F__)
 #define PAIR_GROUP 6 /* 6 rows x 2 weight rows x 2 chains: 24 accumulators of 32 registers */
@@ -130,6 +131,9 @@ INLINE void decode_q8(const int8_t *qb, float d, vec *w) {
 #define TAKES_PAIRS(R, K) (PAIR_GROUP && ((R) > ROW_GROUP || ((R) > 4 && (K) * 4 * ((R) < ROW_GROUP ? (R) : ROW_GROUP) > PAIR_X_BYTES)))
 
 const char *diffspec_packed_isa(void) { return ISA; }
+
+/* Whether a pass of R rows of K inputs takes weight rows in pairs (for the tests: the rule is not visible otherwise) */
+int diffspec_takes_pairs(int64_t R, int64_t K) { return TAKES_PAIRS(R, K) ? 1 : 0; }
 
 /* G rows of x (a compile-time count once inlined, so the accumulators stay in registers) through WR weight rows
  * (1 or 2: two rows share every load of x) of a Q4 (Q4 = 1: codes K/2 bytes a row, offsets m) or Q8 weight.
@@ -173,7 +177,7 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
 #endif
 
 /* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32; every array contiguous); W's rows (or pairs of
- * rows, for passes wider than ROW_GROUP where PAIR_GROUP is set) split among `threads` OpenMP threads (torch's
+ * rows, where TAKES_PAIRS) split among `threads` OpenMP threads (torch's
  * count, passed on each call). Either way an output is computed by the same operations. */
 #define LINEAR_BODY(CALL)                                                              \
     if (TAKES_PAIRS(R, K)) {                                                                             \

@@ -199,6 +199,8 @@ def build_library(isa_flags: tuple):
     lib.diffspec_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.diffspec_q4_linear.restype = lib.diffspec_q8_linear.restype = None
+    lib.diffspec_takes_pairs.argtypes = [i64, i64]
+    lib.diffspec_takes_pairs.restype = ctypes.c_int
     lib.diffspec_argmax_rows.argtypes = [ptr, i64, i64, ptr]
     lib.diffspec_argmax_rows.restype = None
     return lib
