@@ -30,18 +30,12 @@ def cost_dir() -> Path:
 def reps_from_env(variable: str, default: int, what: str) -> int:
     """How many times a one-off measurement times each thing: `default`, or the integer >= 1 in $`variable`
     (the test suite sets 1: its measurements go to a cost cache of the run, never the user's)."""
-    from .errors import DiffspecError
+    from .errors import positive_int
 
     raw = os.environ.get(variable)
     if raw is None:
         return default
-    try:
-        reps = int(raw)
-    except ValueError:
-        reps = 0
-    if reps < 1:
-        raise DiffspecError(f"${variable} must be an integer >= 1 ({what}), got {raw!r}")
-    return reps
+    return positive_int(raw, f"${variable} must be an integer >= 1 ({what}), got {raw!r}")
 
 
 def machine_key(device) -> dict:

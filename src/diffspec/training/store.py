@@ -55,7 +55,7 @@ from typing import Optional, Sequence, Union
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from ..errors import DiffspecError
+from ..errors import DiffspecError, positive_int
 from . import batch_step
 from .data import drop_evaluation_overlap, evaluation_prompts
 
@@ -598,13 +598,7 @@ def parse_batch_size(text: str) -> Union[str, int]:
     """'auto' or a positive integer (command-line text)."""
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise DiffspecError(f"--batch-size must be 'auto' or a positive integer, got '{text}'")
-    return value
+    return positive_int(text, f"--batch-size must be 'auto' or a positive integer, got '{text}'")
 
 
 class TokenStore:
