@@ -342,3 +342,115 @@ def test_cuda_graph_step_logits_in_the_models_dtype(tokenizer, dtype):
     tolerance = (lambda ref: 1e-4) if dtype == torch.float32 else (lambda ref: 0.05 * float(ref.abs().max()))  # bf16 ulps
     _, _, step = steps_beside_the_model(model, prompts_of(3, 6, len(tokenizer)), True, tolerance)
     assert step.captured == 1
+
+
+# --- the direct step's attention by fused_layers.c (float32 on a CPU) -------------------------------------------
+
+def _attention_reference(q, keys, values, first, last, scale):
+    """float64, each (row, head) alone: softmax(q . k * scale) . v over positions first[b] .. last."""
+    B, H, hd = q.shape
+    group = H // keys.shape[1]
+    out = torch.empty(B, H, hd, dtype=torch.float64)
+    for b in range(B):
+        for j in range(H):
+            k = keys[b, j // group, first[b]: last + 1].double()
+            v = values[b, j // group, first[b]: last + 1].double()
+            out[b, j] = torch.softmax(k @ q[b, j].double() * scale, -1) @ v
+    return out
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_c_attention_reads_each_rows_positions_and_shared_heads(isa, head_dim):
+    """Rows reading different first positions, three query heads per key/value head, head widths of whole vectors
+    (64) and not (12), on every build: within float32 rounding of a float64 reference; a position outside a row's
+    run changes nothing, one inside it does (a kernel reading the wrong rows, heads or positions fails)."""
+    from diffspec import fused_layers
+    from diffspec.packed_linear import NATIVE
+    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    flags = {"native": NATIVE, "avx2": ("-mavx2", "-mfma"), "scalar": ()}[isa]
+    if not fused_layers.available(flags):
+        pytest.skip(f"fused_layers.c does not build here ({isa})")
+    g = torch.Generator().manual_seed(head_dim)
+    B, H, KV, cap, last = 5, 6, 2, 40, 30
+    q = torch.randn(B, H, head_dim, generator=g)
+    keys, values = torch.randn(B, KV, cap, head_dim, generator=g), torch.randn(B, KV, cap, head_dim, generator=g)
+    first = torch.tensor([0, 3, 30, 17, 9])
+    out = fused_layers.batch_attend(q, keys, values, first, last, 0.3, isa_flags=flags)
+    ref = _attention_reference(q, keys, values, first, last, 0.3)
+    assert out is not None and torch.allclose(out.double(), ref, atol=2e-6, rtol=0), (out.double() - ref).abs().max()
+    keys[1, 0, 2] += 100.0     # row 1 reads from position 3: position 2 is its padding
+    values[2, 1, last + 1] += 100.0  # past the last position
+    assert torch.equal(fused_layers.batch_attend(q, keys, values, first, last, 0.3, isa_flags=flags), out)
+    keys[1, 0, 3] += 1.0       # inside row 1's run: heads 0-2 of row 1 change, nothing else
+    moved = fused_layers.batch_attend(q, keys, values, first, last, 0.3, isa_flags=flags) != out
+    assert moved[1, :3].any(dim=-1).all() and not moved[1, 3:].any() and not moved[[0, 2, 3, 4]].any()
+
+
+def test_c_attention_refuses_what_it_cannot_read():
+    from diffspec import fused_layers
+    if not fused_layers.available():
+        pytest.skip("fused_layers.c does not build here")
+    q, kv = torch.randn(2, 4, 8), torch.randn(2, 2, 10, 8)
+    assert fused_layers.batch_attend(q, kv, kv, torch.tensor([0, 2]), 9, 1.0) is not None
+    assert fused_layers.batch_attend(q.double(), kv.double(), kv.double(), torch.tensor([0, 2]), 9, 1.0) is None
+    assert fused_layers.batch_attend(q, kv, kv, torch.tensor([0, 2]), 10, 1.0) is None   # past the capacity
+    assert fused_layers.batch_attend(q, kv, kv, torch.tensor([0, 10]), 9, 1.0) is None   # a row reading nothing
+    assert fused_layers.batch_attend(q, kv[:, :, :, :4], kv[:, :, :, :4], torch.tensor([0, 2]), 9, 1.0) is None
+
+
+def test_first_read_takes_left_padding_only():
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert batch_step._first_read(valid).tolist() == [2, 0, 4]
+    holed = valid.clone()
+    holed[1, 2] = False        # a hole: not one run, the matmuls take the mask
+    assert batch_step._first_read(holed) is None
+    unread_last = valid.clone()
+    unread_last[0, 4] = False
+    assert batch_step._first_read(unread_last) is None
+
+
+@pytest.fixture(scope="module")
+def model32(tokenizer):
+    return make_model(len(tokenizer), seed=0, dtype=torch.float32)
+
+
+@torch.inference_mode()
+def test_the_direct_step_in_float32_attends_in_c_and_keeps_the_models_logits(model32, tokenizer, monkeypatch):
+    from diffspec import fused_layers
+    if not fused_layers.available():
+        pytest.skip("fused_layers.c does not build here")
+    calls = []
+    real = fused_layers.batch_attend
+    monkeypatch.setattr(fused_layers, "batch_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref_cache, cache, step = steps_beside_the_model(model32, prompts_of(3, 6, len(tokenizer)), False,
+                                                    lambda ref: 2e-5 * float(ref.abs().max()))
+    assert step.c_attention and len(calls) == 3 * len(model32.model.layers)  # every layer of every step
+    prompts = prompts_of(1, 10, len(tokenizer))
+    want = generate_batch(model32, prompts, 20, {2, 7}, 0, decode_step="model")
+    assert min(map(len, want)) < 20  # rows stop mid-batch: the batch compacts, the C call reads kept rows
+    assert generate_batch(model32, prompts, 20, {2, 7}, 0, decode_step="direct") == want
+    assert not batch_step.DecodeStep(model32, cache, c_attention=False).c_attention
+    assert not batch_step.DecodeStep(make_model(len(tokenizer), seed=0), cache).c_attention  # float64: torch's
+
+
+def test_make_data_times_the_cpu_steps_and_keeps_the_faster(model32, monkeypatch):
+    """choose_cpu_step alternates the kinds, keeps each one's best, and takes the faster, whichever it is."""
+    order = []
+
+    def fake(model, batch, cache_len, steps, kind):
+        order.append(kind)
+        return {"model": [0.30, 0.20], "direct": [0.25, 0.26]}[kind][order.count(kind) - 1]
+    monkeypatch.setattr(store_mod, "decode_step_seconds", fake)
+    choice = store_mod.choose_cpu_step(model32, 32, 100)
+    assert order == ["model", "direct", "model", "direct"]
+    assert choice.kind == "model" and choice.seconds == {"model": 0.20, "direct": 0.25}
+    assert choice.to_dict()["ms_per_step"] == {"model": 200.0, "direct": 250.0}
+    order.clear()
+    monkeypatch.setattr(store_mod, "decode_step_seconds",
+                        lambda m, b, c, s, kind: order.append(kind) or {"model": 0.3, "direct": 0.1}[kind])
+    assert store_mod.choose_cpu_step(model32, 32, 100).kind == "direct"
+    from diffspec import fused_layers
+    assert batch_step.direct_may_win(model32) == fused_layers.available()
+    assert not batch_step.direct_may_win(make_model(32, seed=0))  # float64

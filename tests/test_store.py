@@ -342,6 +342,13 @@ def test_cli_writes_a_store(tmp_path, tiny_model_dir, corpus_file, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["prompts_done"] == 6 and summary["sequences"] == len(read_store(out)) > 0
     assert summary["batch_choice"]["chosen"] >= 1 and summary["generated_tokens_per_s"] > 0
+    # a float32 model on a CPU: the two decode steps timed at 32 rows, the faster one run and recorded
+    from diffspec import fused_layers
+    if fused_layers.available():
+        choice = summary["decode_step_choice"]
+        assert choice["batch"] == 32 and set(choice["ms_per_step"]) == {"model", "direct"}
+        assert summary["decode_step"] == choice["chosen"] == min(choice["ms_per_step"], key=choice["ms_per_step"].get)
+        assert read_store(out).manifest["settings"]["decode_step"] == summary["decode_step"]
     assert main(args[:-1] + ["--max-new-tokens", "9", "--quiet"]) == 2  # a different setting on the same store
     assert "max_new_tokens=8" in capsys.readouterr().err
 

@@ -413,7 +413,9 @@ def _make_data(args) -> int:
                       "prompts_done": manifest["prompts_done"], "prompts_total": manifest["prompts_total"],
                       "duplicates_dropped": manifest["duplicates_dropped"],
                       "generated_tokens_per_s": manifest["generated_tokens_per_s"],
-                      "batch_choice": manifest["settings"]["batch_choice"]}))
+                      "batch_choice": manifest["settings"]["batch_choice"],
+                      "decode_step": manifest["settings"]["decode_step"],
+                      "decode_step_choice": manifest["settings"].get("decode_step_choice")}))
     return 0
 
 

@@ -55,6 +55,9 @@ def build_library(isa_flags: tuple):
     lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
                                           ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.diffspec_fused_layers.restype = None
+    lib.diffspec_batch_attend.argtypes = [i64, i64, i64, i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr,
+                                          ctypes.c_int]
+    lib.diffspec_batch_attend.restype = None
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
     if (lib.diffspec_fused_layer_fields(), lib.diffspec_fused_max_head_dim()) != (FIELDS, MAX_HEAD_DIM):
         return KernelUnavailable(f"{SOURCE.name} and fused_layers.py disagree on the table's fields or the widest head")
@@ -194,3 +197,34 @@ class FusedLayers:
         for c in cache_layers:
             c.advance(n)
         return x, hidden
+
+
+def available(isa_flags: tuple = NATIVE) -> bool:
+    """Whether the library builds and loads here."""
+    return not isinstance(build_library(isa_flags), KernelUnavailable)
+
+
+def batch_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor, last: int,
+                 scale: float, isa_flags: tuple = NATIVE) -> Optional[torch.Tensor]:
+    """Attention of one query row per (row, head) of a batch (make-data's decode step, training/batch_step.py):
+    q [B, H, hd], keys and values [B, KV, capacity, hd] (float32, contiguous, on the CPU), row b reading positions
+    first[b] .. last -> out [B, H, hd]: softmax(q . k * scale) . v, each (row, head) summed by fused_layers.c's
+    `attend` (a verify pass's arithmetic). None where the library does not build here or the inputs do not fit."""
+    lib = build_library(isa_flags)
+    if isinstance(lib, KernelUnavailable):
+        return None
+    B, H, hd = q.shape
+    if (keys.dim() != 4 or keys.shape[0] != B or H % keys.shape[1] or keys.shape[3] != hd or values.shape != keys.shape
+            or not 0 <= last < keys.shape[2] or hd > MAX_HEAD_DIM or first.shape != (B,)
+            or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in (q, keys, values))):
+        return None
+    first = first.to(torch.int64).contiguous()
+    if B and not (0 <= int(first.min()) and int(first.max()) <= last):
+        return None
+    threads = torch.get_num_threads()
+    out = torch.empty_like(q)
+    scores = torch.empty(threads * (last + 1), dtype=torch.float32)
+    lib.diffspec_batch_attend(B, H, keys.shape[1], hd, keys.shape[2], first.data_ptr(), last, float(scale),
+                              q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                              threads)
+    return out
