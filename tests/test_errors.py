@@ -89,8 +89,8 @@ def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):
 
 
 def test_help_and_bad_arguments_answer_before_torch_loads():
-    """`diffspec --help`, each command's --help and the argument errors that need no model (sampling settings too)
-    answer without importing
+    """`diffspec --help`, each command's --help and the argument errors that need no model (sampling settings too,
+    and bench's and make-data's settings) answer without importing
     torch or transformers (2.7-4.5 s of imports on a 2-core CPU before; ~0.15 s now): the package's names load on
     first use and the parser's choices and defaults live in defaults.py. Run in a fresh interpreter (this one has
     torch loaded)."""
@@ -103,7 +103,12 @@ for argv in (["--help"], ["generate", "--help"], ["bench", "--help"], ["train-dr
              ["eval-drafter", "--help"], ["make-data", "--help"], ["profile", "--help"], ["export-drafter", "--help"],
              ["generate", ""], ["generate", "hi", "--gamma", "4"], ["generate", "hi", "--max-new-tokens", "0"],
              ["generate", "hi", "--temperature", "-1"], ["generate", "hi", "--top-p", "0"],
-             ["generate", "hi", "--top-k", "-2"], ["generate", "hi", "--temperature", "0.7", "--seed", "-1"]):
+             ["generate", "hi", "--top-k", "-2"], ["generate", "hi", "--temperature", "0.7", "--seed", "-1"],
+             ["bench", "--out", "b", "--temperature", "-1"], ["bench", "--out", "b", "--temperature", "0.7", "--seed", "-1"],
+             ["bench", "--out", "b", "--threads", "0"], ["bench", "--temperature", "0.5"],
+             ["make-data", "--out", "s", "--temperatures", "-1"], ["make-data", "--out", "s", "--max-new-tokens", "0"],
+             ["make-data", "--out", "s", "--batch-size", "0"], ["make-data", "--out", "s", "--max-time", "0"],
+             ["make-data", "--out", "s", "--decode-step", "graph"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
@@ -114,7 +119,7 @@ print(codes, heavy)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2] []", proc.stdout
+    assert proc.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 16 + "] []", proc.stdout
 
 
 def test_the_package_names_load_on_first_use():

@@ -355,11 +355,8 @@ def _train(args) -> int:
 def _make_data(args) -> int:
     import time
 
-    from .devices import check_device_available
-    from .target import Target
     from .training.data import load_corpus
-    from .training.store import (StoreSettings, build_corpus_store, build_store, check_corpus_store_folder,
-                                 check_store_folder, parse_batch_size)
+    from .training.store_settings import StoreSettings, check_corpus_store_folder, check_store_folder, parse_batch_size
 
     generation = {"--max-new-tokens": args.max_new_tokens, "--max-prompt-tokens": args.max_prompt_tokens,
                   "--batch-size": args.batch_size, "--temperatures": args.temperatures, "--max-time": args.max_time,
@@ -371,6 +368,8 @@ def _make_data(args) -> int:
                                 f"--source corpus generates nothing")
         out = check_corpus_store_folder(args.out, args.max_prompts)
         convs = load_corpus(args.corpus)
+        from .target import Target
+        from .training.store import build_corpus_store
         target = Target.load(args.model, quiet=args.quiet)
         manifest = build_corpus_store(out, target, convs, seed=args.seed, max_conversations=args.max_prompts,
                                       progress=not args.quiet, corpus=args.corpus)
@@ -388,12 +387,16 @@ def _make_data(args) -> int:
     max_time = parse_duration(args.max_time)
     if max_time is not None and not max_time > 0:
         raise DiffspecError(f"--max-time must be positive, got '{args.max_time}'")
-    check_device_available(args.device)
     if args.decode_step == "graph" and not str(args.device).startswith("cuda"):
         raise DiffspecError(f"--decode-step graph replays CUDA graphs: it needs --device cuda, not {args.device}")
     check_store_folder(args.out, settings)
-    deadline = None if max_time is None else time.time() + max_time
     convs = load_corpus(args.corpus)
+    # everything above without torch (bad settings answer in a fraction of a second); now the heavy imports
+    from .devices import check_device_available
+    from .target import Target
+    from .training.store import build_store
+    check_device_available(args.device)
+    deadline = None if max_time is None else time.time() + max_time
     target = Target.load(args.model, device=args.device, quiet=args.quiet)
     manifest = build_store(args.out, target, convs, max_new_tokens=settings.max_new_tokens,
                            max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.batch_size,
@@ -471,6 +474,14 @@ def _generate(args) -> int:
 def _bench(args) -> int:
     import shlex
 
+    from .sampling_params import SamplingParams
+
+    if not args.list_methods:  # settings that need no torch are refused before it loads (~3 s)
+        if args.out is None:
+            raise DiffspecError("--out DIR is required (results.jsonl, summary.md, summary.json and plots go there)")
+        if args.threads is not None and args.threads < 1:
+            raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
+        SamplingParams(temperature=args.temperature, seed=args.seed)
     import torch
 
     from .devices import check_device_available, parse_dtype
@@ -481,11 +492,7 @@ def _bench(args) -> int:
     if args.list_methods:
         print(list_methods())
         return 0
-    if args.out is None:
-        raise DiffspecError("--out DIR is required (results.jsonl, summary.md, summary.json and plots go there)")
     if args.threads is not None:
-        if args.threads < 1:
-            raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     config = BenchConfig(dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                          methods=tuple(args.methods), sweep=tuple(args.sweep), temperature=args.temperature,
