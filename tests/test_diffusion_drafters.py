@@ -356,6 +356,32 @@ def test_auto_dtype_follows_the_measurement(target, tiny_model, monkeypatch, tim
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
+@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
+def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, monkeypatch, timings, chosen):
+    """Every engine attaches its drafter, and the auto policy's calibration builds two engines before the real one:
+    after the first attach chose bfloat16, a later one gave the drafter the target's head back in the target's
+    dtype (the model stayed bfloat16), and on SmolLM2 each round's head product ran in float32 through torch:
+    9-12 ms a round where the choice measured ~4, and the dtype note was lost. A later attach keeps the choice
+    (no second timing), its note, and drafts as the first did."""
+    drafter = float32_drafter(target)
+    measured = iter(timings)  # one timing of each dtype: a second attach that timed again would stop here
+    monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
+    drafter.compute_dtype = "auto"
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    head_dtype, note, model = drafter._head_weight.dtype, drafter.describe(), drafter.model
+    context = torch.tensor(PROMPTS[1])
+    drafter.begin(None)
+    first = drafter.block_logits(context[:1])
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(4))  # attached again
+    assert drafter.model is model and next(drafter.model.parameters()).dtype == chosen
+    assert drafter._head_weight.dtype == head_dtype == (torch.bfloat16 if chosen == torch.bfloat16 else torch.float64)
+    assert drafter.describe() == note and f"{timings[1]:.1f}" in note
+    drafter.begin(None)
+    assert torch.equal(drafter.block_logits(context[:1]), first)
+    r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
+
+
 def test_auto_dtype_really_times_a_draft_and_leaves_no_state(target, tiny_model):
     drafter = float32_drafter(target)
     drafter.compute_dtype = "auto"

@@ -227,6 +227,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.default_gamma = model.cfg.block_size - 1  # one pass drafts the whole block
         self.max_tokens_per_round = model.cfg.block_size - 1  # and never more
         self._embed = self._head_weight = self._target_head = None
+        self._head_dtype: Optional[torch.dtype] = None  # what _use_dtype converted the head to (None: the target's)
         self._weights = ServingWeights()  # the lean pass's stacked weights (conditioned_pass.py)
         self._rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta)
         self._serving = ServingPass(model)
@@ -252,7 +253,10 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
                                 f"rows (mask token {cfg.mask_token_id}); the target's embeddings have {rows} rows")
         self._embed = embed
         self._target_head = target.output_head_weight()  # shared, never modified
-        self._set_head(self.model.head_weight(self._target_head))
+        # in the dtype a previous attach's choice converted the model to (each engine attaches; `auto`'s calibration
+        # runs two): a bf16 drafter given the float32 head again drafted at 2-3x its cost (9-12 ms a round, not 4)
+        head = self.model.head_weight(self._target_head)
+        self._set_head(head if self._head_dtype is None else head.to(self._head_dtype))
         self.vocab_size = target.vocab_size
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
@@ -278,6 +282,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if dtype is not None:
             self.model.to(dtype)
             head = head.to(dtype)
+        self._head_dtype = dtype
         self._set_head(head)
         self.begin(None)  # the cache is made in the model's dtype
 

@@ -25,6 +25,7 @@ from ..devices import parse_dtype
 class ChoosesDtype:
     compute_dtype: Optional[str] = None  # None: as loaded; 'auto': measured at attach; or a dtype name
     dtype_note: str = ""                 # what attach chose and why (for describe())
+    _auto_model = None                   # the model an `auto` choice settled on (kept by later attaches)
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         raise NotImplementedError
@@ -34,8 +35,11 @@ class ChoosesDtype:
 
     def _settle_dtype(self) -> None:
         """Called at the end of attach: compute in `compute_dtype` (see the module docstring)."""
-        request, self.dtype_note = self.compute_dtype, ""
+        request = self.compute_dtype
         loaded = next(self.model.parameters()).dtype
+        if request == "auto" and getattr(self, "_auto_model", None) is self.model:
+            return  # attached again (every engine attaches; `auto`'s calibration runs two): the choice stands
+        self.dtype_note, self._auto_model = "", None
         if request is None or (request == "auto" and loaded != torch.float32):
             return
         if request != "auto":
@@ -58,6 +62,7 @@ class ChoosesDtype:
             self.model = original
             self._use_dtype(None)
             self.dtype_note = f"float32: {fp32_ms:.1f} ms a draft step vs {bf16_ms:.1f} in bfloat16"
+        self._auto_model = self.model  # the model this choice made: a later attach keeps it, note and all
 
     def _dtype_text(self) -> str:
         return self.dtype_note or str(next(self.model.parameters()).dtype).replace("torch.", "")
