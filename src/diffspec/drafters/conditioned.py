@@ -402,8 +402,9 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         weights = self._weights.current(self.model)
         kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
         # 1: 52bd839's lean pass (the reference module pass before it: ~2x the time a round); 2: context keys and
-        # values kept in float32 (cache_dtype), attention's products in float32
-        return f"lean pass 2 ({kernel})"
+        # values kept in float32 (cache_dtype), attention's products in float32; 3: the head kept in the chosen dtype
+        # when attached again (33b4a2a: rounds calibrated before it cost 2-3x, the head in float32)
+        return f"lean pass 3 ({kernel})"
 
     def describe(self) -> str:
         dtype = self._dtype_text()
