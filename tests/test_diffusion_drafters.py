@@ -382,6 +382,19 @@ def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, 
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
+def test_a_model_converted_in_place_after_the_auto_choice_is_timed_again(target, monkeypatch):
+    drafter = float32_drafter(target)
+    measured = iter((10.0, 5.0, 10.0, 9.0))  # bf16 first, then (the model back in float32) float32
+    monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
+    drafter.compute_dtype = "auto"
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert drafter._head_weight.dtype == torch.bfloat16
+    drafter.model.float()  # in place: the same model object, another dtype
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert next(drafter.model.parameters()).dtype == torch.float32 and drafter._head_weight.dtype == torch.float64
+    assert "float32: 10.0 ms" in drafter.describe()
+
+
 def test_auto_dtype_really_times_a_draft_and_leaves_no_state(target, tiny_model):
     drafter = float32_drafter(target)
     drafter.compute_dtype = "auto"

@@ -353,6 +353,26 @@ def test_cli_writes_a_store(tmp_path, tiny_model_dir, corpus_file, capsys):
     assert "max_new_tokens=8" in capsys.readouterr().err
 
 
+def test_cli_summary_of_an_empty_store_and_of_a_resume_that_names_its_step(tmp_path, tiny_model_dir, corpus_file, capsys):
+    """A store with no prompt short enough says so in its summary (it raised KeyError: no decode step was ever
+    chosen); a resumed run that names its decode step times nothing and records no choice (the first run's
+    timing stayed in the manifest beside the step this run named)."""
+    base = ["make-data", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--max-new-tokens", "6",
+            "--quiet"]
+    assert main(base + ["--out", str(tmp_path / "empty"), "--max-prompt-tokens", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prompts_total"] == 0 and summary["decode_step"] is None and summary["decode_step_choice"] is None
+    out = str(tmp_path / "store")
+    assert main(base + ["--out", out, "--max-prompts", "2", "--max-prompt-tokens", "48"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    from diffspec import fused_layers
+    assert (first["decode_step_choice"] is not None) == fused_layers.available()
+    assert main(base + ["--out", out, "--max-prompts", "4", "--max-prompt-tokens", "48", "--decode-step", "model"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["prompts_done"] == 4 and second["decode_step"] == "model" and second["decode_step_choice"] is None
+    assert "decode_step_choice" not in read_store(out).manifest["settings"]
+
+
 def test_corpus_store_holds_each_conversation_as_written(tmp_path, target, convs, monkeypatch):
     """--source corpus: every conversation rendered whole, its first user turn (with the assistant prefix)
     as the prompt; evaluation overlap and repeated responses dropped; temperature -1; refuses a used folder."""

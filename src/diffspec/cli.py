@@ -390,12 +390,12 @@ def _make_data(args) -> int:
     if args.decode_step == "graph" and not str(args.device).startswith("cuda"):
         raise DiffspecError(f"--decode-step graph replays CUDA graphs: it needs --device cuda, not {args.device}")
     check_store_folder(args.out, settings)
-    convs = load_corpus(args.corpus)
     # everything above without torch (bad settings answer in a fraction of a second); now the heavy imports
     from .devices import check_device_available
     from .target import Target
     from .training.store import build_store
-    check_device_available(args.device)
+    check_device_available(args.device)  # before the corpus is read
+    convs = load_corpus(args.corpus)
     deadline = None if max_time is None else time.time() + max_time
     target = Target.load(args.model, device=args.device, quiet=args.quiet)
     manifest = build_store(args.out, target, convs, max_new_tokens=settings.max_new_tokens,
@@ -417,7 +417,7 @@ def _make_data(args) -> int:
                       "duplicates_dropped": manifest["duplicates_dropped"],
                       "generated_tokens_per_s": manifest["generated_tokens_per_s"],
                       "batch_choice": manifest["settings"]["batch_choice"],
-                      "decode_step": manifest["settings"]["decode_step"],
+                      "decode_step": manifest["settings"].get("decode_step"),
                       "decode_step_choice": manifest["settings"].get("decode_step_choice")}))
     return 0
 

@@ -25,7 +25,7 @@ from ..devices import parse_dtype
 class ChoosesDtype:
     compute_dtype: Optional[str] = None  # None: as loaded; 'auto': measured at attach; or a dtype name
     dtype_note: str = ""                 # what attach chose and why (for describe())
-    _auto_model = None                   # the model an `auto` choice settled on (kept by later attaches)
+    _auto_model = None                   # (model, dtype) an `auto` choice settled on (kept by later attaches)
 
     def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
         raise NotImplementedError
@@ -37,7 +37,8 @@ class ChoosesDtype:
         """Called at the end of attach: compute in `compute_dtype` (see the module docstring)."""
         request = self.compute_dtype
         loaded = next(self.model.parameters()).dtype
-        if request == "auto" and getattr(self, "_auto_model", None) is self.model:
+        settled = getattr(self, "_auto_model", None)  # (model, its dtype) an earlier auto choice left
+        if request == "auto" and settled is not None and settled[0] is self.model and settled[1] == loaded:
             return  # attached again (every engine attaches; `auto`'s calibration runs two): the choice stands
         self.dtype_note, self._auto_model = "", None
         if request is None or (request == "auto" and loaded != torch.float32):
@@ -62,7 +63,7 @@ class ChoosesDtype:
             self.model = original
             self._use_dtype(None)
             self.dtype_note = f"float32: {fp32_ms:.1f} ms a draft step vs {bf16_ms:.1f} in bfloat16"
-        self._auto_model = self.model  # the model this choice made: a later attach keeps it, note and all
+        self._auto_model = (self.model, next(self.model.parameters()).dtype)  # a later attach keeps it, note and all
 
     def _dtype_text(self) -> str:
         return self.dtype_note or str(next(self.model.parameters()).dtype).replace("torch.", "")

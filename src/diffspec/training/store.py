@@ -747,6 +747,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     lens = sorted(len(p) for p in order.prompts[done:])
     probe_len = lens[len(lens) // 2] + max_new_tokens // 2  # a typical step's positions
+    manifest["settings"].pop("decode_step_choice", None)  # this run's, or none (a resumed store's earlier one is not)
     if decode_step == "auto" and batch_step.direct_may_win(model):  # a CPU: the faster step, by measurement
         step_choice = choose_cpu_step(model, 32 if batch_size == "auto" else int(batch_size), probe_len)
         manifest["settings"]["decode_step_choice"] = step_choice.to_dict()
