@@ -82,12 +82,17 @@ def choose_kind(kind: str, model: torch.nn.Module) -> str:
     return kind
 
 
-def direct_may_win(model: torch.nn.Module) -> bool:
-    """Whether `auto` should time the direct step against the model's forward (store.choose_cpu_step): a float32
-    model on a CPU that the direct step computes, with fused_layers.c's attention built here."""
+def _c_attention_fits(model: torch.nn.Module) -> bool:
+    """Whether fused_layers.c's attention can serve the direct step's eager passes: a float32 model on a CPU, the
+    library built here."""
     param = next(model.parameters())
-    return (param.device.type == "cpu" and param.dtype == torch.float32 and applies(model)
-            and fused_layers.available())
+    return param.device.type == "cpu" and param.dtype == torch.float32 and fused_layers.available()
+
+
+def direct_may_win(model: torch.nn.Module) -> bool:
+    """Whether `auto` should time the direct step against the model's forward (store.choose_cpu_step): a model the
+    direct step computes, with its attention in C."""
+    return applies(model) and _c_attention_fits(model)
 
 
 def span_for(positions: int, capacity: int) -> int:
@@ -108,10 +113,8 @@ class DecodeStep:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.model, self.cache, self.graphs = model, cache, graphs
-        param = next(model.parameters())
-        # attention by fused_layers.c (float32 on a CPU, no graphs): None = wherever it applies and the library builds
-        fits = not graphs and param.device.type == "cpu" and param.dtype == torch.float32
-        self.c_attention = fits and (c_attention if c_attention is not None else fused_layers.available())
+        # attention by fused_layers.c (eager passes only): None = wherever it fits; False = the matmuls
+        self.c_attention = not graphs and c_attention is not False and _c_attention_fits(model)
         self.rotate = apply_rotary_pos_emb
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -145,18 +148,16 @@ class DecodeStep:
             keys, values = kv.keys[:B], kv.values[:B]                  # [B, KV, capacity, d]
             keys.index_copy_(2, at, k.to(keys.dtype))
             values.index_copy_(2, at, v.to(values.dtype))
+            out = None  # [B, H, d] from C, or [B, KV, group, d] from the matmuls: the same order of heads
             if first is not None:  # on a CPU: fused_layers.c reads each row's keys and values once
                 out = fused_layers.batch_attend(q.reshape(B, H, d).contiguous(), keys, values, first, span - 1,
                                                 self.scale)
-                if out is not None:
-                    h = h + attn.o_proj(out.view(B, 1, H * d))
-                    h = h + layer.mlp(layer.post_attention_layernorm(h))
-                    continue
-            q = q * self.scale                                         # scaled first: no fp16 overflow in q . k
-            # the query heads sharing a key/value head are one matmul's rows: each head's keys read once
-            scores = torch.matmul(q.reshape(B, KV, H // KV, d), keys[:, :, :span].transpose(-1, -2))
-            weights = torch.softmax(scores.to(soft) + bias, dim=-1).to(values.dtype)
-            out = torch.matmul(weights, values[:, :, :span])           # [B, KV, group, d]
+            if out is None:
+                q = q * self.scale                                     # scaled first: no fp16 overflow in q . k
+                # the query heads sharing a key/value head are one matmul's rows: each head's keys read once
+                scores = torch.matmul(q.reshape(B, KV, H // KV, d), keys[:, :, :span].transpose(-1, -2))
+                weights = torch.softmax(scores.to(soft) + bias, dim=-1).to(values.dtype)
+                out = torch.matmul(weights, values[:, :, :span])
             h = h + attn.o_proj(out.reshape(B, 1, H * d).to(h.dtype))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(m.norm(h))[:, 0]
