@@ -382,6 +382,23 @@ def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, 
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
+@pytest.mark.parametrize("compute_dtype", [None, "auto"])
+def test_a_drafter_loaded_in_bfloat16_drafts_with_a_bfloat16_head(target, tiny_model, compute_dtype):
+    """A drafter whose body came in bfloat16 (loaded so, or converted by its user) with no dtype of ours to choose:
+    its head was the target's own, in the target's dtype, so every round's head product ran wide (on SmolLM2 in
+    float32 through torch, the cost the second-attach bug had). It drafts with the head in its own dtype now,
+    attach after attach, and stays lossless."""
+    drafter = float32_drafter(target)
+    drafter.model.to(torch.bfloat16)
+    drafter.compute_dtype = compute_dtype
+    for _ in range(2):
+        engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
+        assert next(drafter.model.parameters()).dtype == torch.bfloat16 and drafter._head_weight.dtype == torch.bfloat16
+    assert tiny_model.lm_head.weight.dtype == torch.float64
+    r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])
+    assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
+
+
 def test_a_model_converted_in_place_after_the_auto_choice_is_timed_again(target, monkeypatch):
     drafter = float32_drafter(target)
     measured = iter((10.0, 5.0, 10.0, 9.0))  # bf16 first, then (the model back in float32) float32

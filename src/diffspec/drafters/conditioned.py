@@ -256,7 +256,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         # in the dtype a previous attach's choice converted the model to (each engine attaches; `auto`'s calibration
         # runs two): a bf16 drafter given the float32 head again drafted at 2-3x its cost (9-12 ms a round, not 4)
         head = self.model.head_weight(self._target_head)
-        self._set_head(head if self._head_dtype is None else head.to(self._head_dtype))
+        self._set_head(head.to(self._head_dtype or self._half_dtype(head)))
         self.vocab_size = target.vocab_size
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
@@ -285,6 +285,13 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._head_dtype = dtype
         self._set_head(head)
         self.begin(None)  # the cache is made in the model's dtype
+
+    def _half_dtype(self, head: torch.Tensor) -> torch.dtype:
+        """The head's dtype for a drafter whose dtype no choice of ours set: a half-precision body (loaded so, or
+        converted by its user) drafts with the head in its own dtype, as a chosen one does; a float32 or float64
+        body reads the target's head as it is (no copy)."""
+        body = next(self.model.parameters()).dtype
+        return body if body in (torch.bfloat16, torch.float16) and head.dtype != body else head.dtype
 
     def _set_head(self, head: torch.Tensor) -> None:
         self._head_weight = head
