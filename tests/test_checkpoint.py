@@ -238,3 +238,38 @@ def test_a_reduced_draft_vocabulary_is_refused_where_the_head_transforms_its_log
     gemma = Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=0.5, sliding_window=64,
                                            layer_types=["full_attention"])).eval()
     assert torch.equal(BlockDiffusionDrafter(gemma, config, draft_token_ids=ids).draft_token_ids, ids)
+
+
+def _without(path, section, *keys):
+    cfg = json.loads((path / "config.json").read_text())
+    for k in keys:
+        (cfg[section] if section else cfg).pop(k, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("kind", ["block-diffusion", "conditioned"])
+def test_a_folder_without_its_block_size_is_refused_not_defaulted(tmp_path, target, tokenizer, kind):
+    """A folder whose config lost its block size loaded with a default one (16 for the conditioned kind, 32 for the
+    block kind) and drafted blocks of a length it was never trained on: lossless, accepted far less, and nothing
+    said why. It is refused by name, before any weight is read (the weights are gone here too)."""
+    path = save_drafter(all_kinds(target, tokenizer)[kind], tmp_path / kind, dtype=torch.float64)
+    if kind == "conditioned":
+        _without(path, "dflash_config", "block_size")
+        _without(path, None, "block_size")
+    else:
+        _without(path, "diffspec", "block_size", "sub_block_size")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(DiffspecError, match="block_size"):
+        load_drafter(path, dtype=torch.float64)
+
+
+def test_block_settings_that_cannot_be_are_named_at_load(tmp_path, target, tokenizer):
+    path = save_drafter(all_kinds(target, tokenizer)["block-diffusion"], tmp_path / "b", dtype=torch.float64)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["diffspec"]["sub_block_size"] = 3  # does not divide the block of 4
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DiffspecError, match="settings are not valid.*sub_block_size"):
+        load_drafter(path, dtype=torch.float64)
+    _without(path, "diffspec", "mask_token_id")
+    with pytest.raises(DiffspecError, match="lacks mask_token_id"):
+        load_drafter(path, dtype=torch.float64)

@@ -513,3 +513,50 @@ def test_drafter_dtype_errors(target):
         make_drafter("conditioned", target, compute_dtype="fp8")
     with pytest.raises(DiffspecError, match="unknown drafter dtype 'fp8'"):  # before any model loads
         load_engine("/nonexistent/model", drafter_dtype="fp8")
+
+
+@pytest.mark.parametrize("kind", ["block", "masked", "masked-unshifted", "conditioned", "ar"])
+@pytest.mark.parametrize("policy", ["fixed4", "failfast-extend"])
+def test_a_request_after_a_longer_one_drafts_as_in_a_fresh_engine(tiny_model, other_model, tokenizer, kind, policy):
+    """State a drafter keeps across requests (caches, positions, windows) must not leak into the next: outputs
+    cannot show it (the target verifies every token), so the rounds are compared: the same drafted and accepted
+    counts, round for round, for a short request run after a longer one as in a fresh engine. (Prompt lookup's
+    history across requests is an opt-in feature, and left out.)"""
+    from diffspec import AutoregressiveDrafter
+
+    def engine():
+        t = Target(tiny_model, tokenizer)
+        d = AutoregressiveDrafter(other_model, tokenizer) if kind == "ar" else make(kind, t, len(tokenizer))
+        return SpeculativeEngine(t, d, POLICIES[policy]())
+
+    used = engine()
+    used.generate(list(range(11, 41)), max_new_tokens=30, stop_token_ids=[])
+    after = used.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[])
+    fresh = engine().generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[])
+    assert after.token_ids == fresh.token_ids == reference_greedy(tiny_model, [5, 6, 7], 20, stop_ids=())
+    assert [(r.drafted, r.accepted) for r in after.rounds] == [(r.drafted, r.accepted) for r in fresh.rounds]
+    assert after.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["block", "masked", "conditioned", "ar"])
+def test_a_drafters_q_follows_the_requests_sampling_settings(tiny_model, other_model, tokenizer, kind):
+    """Rejection sampling is exact for any q, so the distribution tests cannot see a drafter that ignores the
+    request's temperature or top-k (it would only be accepted less). Its q rows hold at most top_k tokens, and a
+    lower temperature sharpens every row."""
+    from diffspec import AutoregressiveDrafter
+
+    t = Target(tiny_model, tokenizer)
+    d = AutoregressiveDrafter(other_model, tokenizer) if kind == "ar" else make(kind, t, len(tokenizer))
+    d.attach(t)
+    ctx = torch.tensor(list(range(11, 25)))
+    q = {}
+    for name, params in {"T1": SamplingParams(1.0), "T0.3": SamplingParams(0.3), "k2": SamplingParams(1.0, top_k=2)}.items():
+        d.begin(ctx)
+        if kind == "conditioned":
+            d.observe(Target(tiny_model).forward(ctx[:-1], hidden_layers=d.target_layer_ids).hidden_states, 0)
+        draft = d.propose(ctx, FixedPolicy(3), 10, params, torch.Generator().manual_seed(0))
+        assert draft.probs is not None and draft.probs.shape[0] == len(draft.tokens) == 3
+        q[name] = draft.probs
+    assert int((q["k2"] > 0).sum(-1).max()) <= 2
+    assert int((q["T1"] > 0).sum(-1).min()) > 2
+    assert bool((q["T0.3"].max(-1).values > q["T1"].max(-1).values).all())

@@ -6,7 +6,8 @@ from transformers import GenerationConfig
 
 from conftest import reference_greedy
 from helpers import RandomDrafter, ScriptedDrafter
-from diffspec import AutoregressiveDrafter, FailFastPolicy, FixedPolicy, PromptLookupDrafter, SpeculativeEngine
+from diffspec import (AutoregressiveDrafter, FailFastPolicy, FixedPolicy, PromptLookupDrafter, SamplingParams,
+                      SpeculativeEngine)
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6],          # repetitive: prompt lookup finds matches
@@ -155,3 +156,46 @@ def test_ar_drafter_counts_its_forward_passes(target, other_model, tokenizer):
     engine = SpeculativeEngine(target, AutoregressiveDrafter(other_model, tokenizer), FixedPolicy(3))
     r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])
     assert r.drafter_forward_passes == r.drafted_tokens  # one pass per drafted token
+
+
+def test_a_stop_token_cut_keeps_the_verdict_and_emits_only_the_output(target, tiny_model):
+    """A perfect drafter's 16 tokens all accepted, then a stop token at the second cuts the output: the round emits
+    2 tokens and keeps the verdict, 16 accepted (the drafter's record; what a policy learns from). A length limit
+    never cuts accepted tokens: drafts are capped to the room left. Every round but a request's last keeps
+    emitted == accepted + 1."""
+    ref = reference_greedy(tiny_model, PROMPTS[1], 40, stop_ids=())
+    assert ref[0] != ref[1]
+    engine = SpeculativeEngine(target, ScriptedDrafter(list(PROMPTS[1]) + ref), FixedPolicy(16))
+    r = engine.generate(PROMPTS[1], max_new_tokens=40, stop_token_ids=[ref[1]])
+    assert r.token_ids == ref[:2] and r.finish_reason == "stop"
+    assert [(x.drafted, x.accepted, x.emitted) for x in r.rounds] == [(16, 16, 2)]
+    assert r.accepted_tokens == 16 and r.mean_accepted_length == 2.0
+    r = engine.generate(PROMPTS[1], max_new_tokens=2, stop_token_ids=[])
+    assert r.token_ids == ref[:2] and [(x.drafted, x.accepted, x.emitted) for x in r.rounds] == [(1, 1, 2)]
+    r = engine.generate(PROMPTS[1], max_new_tokens=37, stop_token_ids=[])
+    assert r.token_ids == ref[:37] and all(x.emitted == x.accepted + 1 for x in r.rounds)
+
+
+@pytest.mark.parametrize("policy", ["fixed3", "alternating3", "fixed0"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_engine_feeds_a_hidden_state_drafter_exactly_the_positions_before_its_anchor(target, tiny_model,
+                                                                                         tokenizer, policy, temperature):
+    """Through the engine's rounds (rejections in every one: slot 2 is always wrong; plain steps between; draft
+    length 0), a drafter reading the target's hidden states holds, at every proposal, exactly those of the positions
+    before its anchor, in order, equal to a fresh pass's. Its output can be right with features off by one (the
+    target verifies every token), so only this catches such a feed: one shifted by a position passed every other
+    test."""
+    from helpers import AlternatingPolicy
+    from test_eval_drafter import HiddenRecorder
+
+    drafter = HiddenRecorder(tiny_model, len(tokenizer))
+    drafter.wrong_slot = 2
+    pol = {"fixed3": FixedPolicy(3), "alternating3": AlternatingPolicy(3), "fixed0": FixedPolicy(0)}[policy]
+    engine = SpeculativeEngine(target, drafter, pol)
+    prompt = [5, 6, 7, 8]
+    sampling = SamplingParams(temperature=temperature, seed=3) if temperature else None
+    r = engine.generate(prompt, max_new_tokens=20, stop_token_ids=[], sampling=sampling)
+    proposals = sum(1 for c in drafter.calls if c[0] == "propose")
+    assert proposals >= (1 if policy == "fixed0" else 5)
+    if not temperature:
+        assert r.token_ids == reference_greedy(tiny_model, prompt, 20, stop_ids=())

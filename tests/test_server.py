@@ -400,3 +400,23 @@ def test_real_model_chat_matches_generate():
         out = c.chat.completions.create(model=engine.target.name, messages=chat(prompt), max_tokens=16, temperature=0)
     assert out.choices[0].message.content == expected.text
     assert out.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_sampling_settings_reach_the_engine(client, reference):
+    """temperature, top_p, top_k and seed of a request are the engine's own: a seeded sampled request gives exactly
+    `generate` with the same SamplingParams, top_k = 1 gives the greedy text, and the seed is used (another seed, over
+    a few, gives another text)."""
+    prompt = "w9 w4 w9 w4"
+
+    def ask(**kw):
+        out = client.chat.completions.create(model="tiny", messages=chat(prompt), max_tokens=24, **kw)
+        return out.choices[0].message.content
+
+    settings = dict(temperature=1.3, top_p=0.9, top_k=6, seed=3)
+    want = reference.generate(prompt, max_new_tokens=24, sampling=SamplingParams(**settings))
+    assert ask(**{k: v for k, v in settings.items() if k != "top_k"}, extra_body={"top_k": 6}) == want.text
+    greedy = reference.generate(prompt, max_new_tokens=24, sampling=GREEDY).text
+    assert want.text != greedy  # the case can tell sampling from greedy decoding
+    assert ask(temperature=1.3, seed=3, extra_body={"top_k": 1}) == greedy
+    others = {ask(temperature=1.3, top_p=0.9, seed=s, extra_body={"top_k": 6}) for s in (4, 5, 6)}
+    assert others - {want.text}

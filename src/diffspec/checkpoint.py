@@ -170,14 +170,30 @@ def load_drafter(path, dtype: torch.dtype = torch.float32, device: str = "cpu", 
     if kind == "conditioned":
         check_supported(config, path)
         return ConditionedDrafter(load_conditioned_model(path, config, dtype, device), fp, name=name)
-    model = _load_hf_body(path, dtype, device)
+    # the settings the drafter was trained with, checked before its weights load: a missing block size taken from a
+    # default drafts blocks of another length than it learned (lossless, but accepted far less, and nothing says why)
+    required = ("mask_token_id", "block_size") if kind == "block-diffusion" else ("mask_token_id",)
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise DiffspecError(f"drafter folder {path}: config.json's 'diffspec' object lacks {', '.join(missing)} "
+                            f"(the {kind} drafter's settings it was trained with)")
     if kind == "block-diffusion":
         fields = {k: meta[k] for k in ("mask_token_id", "block_size", "sub_block_size", "unmask_threshold",
                                        "logit_shift") if k in meta}
-        return BlockDiffusionDrafter(model, BlockDiffusionConfig(**fields), fp, name=name,
-                                     draft_token_ids=_draft_token_ids(path, meta))
+        settings = _settings(BlockDiffusionConfig, fields, path)
+        draft_ids = _draft_token_ids(path, meta)
+        return BlockDiffusionDrafter(_load_hf_body(path, dtype, device), settings, fp, name=name,
+                                     draft_token_ids=draft_ids)
     fields = {k: meta[k] for k in ("mask_token_id", "steps", "logit_shift", "context_window") if k in meta}
-    return MaskedDiffusionDrafter(model, MaskedDiffusionConfig(**fields), fp, name=name)
+    settings = _settings(MaskedDiffusionConfig, fields, path)
+    return MaskedDiffusionDrafter(_load_hf_body(path, dtype, device), settings, fp, name=name)
+
+
+def _settings(config_class, fields: dict, path: Path):
+    try:
+        return config_class(**fields)
+    except (TypeError, ValueError) as e:
+        raise DiffspecError(f"drafter folder {path}: config.json's 'diffspec' settings are not valid: {e}") from None
 
 
 def _draft_token_ids(path: Path, meta: dict) -> Optional[torch.Tensor]:
@@ -204,7 +220,7 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
             intermediate_size=config["intermediate_size"], num_target_layers=config["num_target_layers"],
             target_layer_ids=tuple(dcfg.get("target_layer_ids", config.get("target_layer_ids", ()))),
             vocab_size=config["vocab_size"], mask_token_id=dcfg.get("mask_token_id", config.get("mask_token_id")),
-            num_hidden_layers=config["num_hidden_layers"], block_size=dcfg.get("block_size", config.get("block_size", 16)),
+            num_hidden_layers=config["num_hidden_layers"], block_size=dcfg["block_size"] if "block_size" in dcfg else config["block_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))),
             max_position_embeddings=config.get("max_position_embeddings", 8192),

@@ -81,9 +81,13 @@ class RoundStats:
     """One draft -> verify -> accept round.
 
     drafted:  tokens the drafter proposed.
-    accepted: drafted tokens the target accepted (a prefix of the draft).
+    accepted: drafted tokens the target accepted (a prefix of the draft): verification's verdict, the
+              drafter's record (what policies learn from, as vLLM counts it), even where a stop token or the
+              length limit then cut the output short of them.
     emitted:  tokens appended to the output this round: accepted + the target's own token
-              (recovered or bonus), fewer if a stop token or the length limit cut the round.
+              (recovered or bonus), fewer if a stop token or the length limit cut the round; so
+              emitted == accepted + 1 in every round but a request's last, and there
+              emitted <= accepted + 1.
     speculation_off: the policy ran no drafter this round (a plain step by choice, not for want of a
               draft); drafted is then 0.
     source:   the drafter whose proposal was verified ("" without a drafter).
@@ -119,6 +123,8 @@ class GenerationResult:
 
     mean_accepted_length counts the bonus token (vLLM's convention): it is emitted tokens per
     round, so plain decoding scores 1.0 and a round that accepts all k drafted tokens scores k+1.
+    accepted_tokens is verification's verdict (RoundStats.accepted): where a stop token or the
+    length limit cut the last round, it may count drafted tokens the output does not hold.
     target_forward_passes includes the prefill pass.
     """
 

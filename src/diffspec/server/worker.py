@@ -231,7 +231,9 @@ class EngineWorker:
 
 def speculative_stats(rounds) -> dict:
     """The per-request `speculative` object from the engine's RoundStats: rounds, drafted_tokens,
-    accepted_tokens, mean_accepted_length (bonus token included), acceptance_rate,
+    accepted_tokens (verification's verdict: a request's last round, cut by a stop token or the length limit,
+    may count drafted tokens the completion does not hold), mean_accepted_length (emitted tokens a round, bonus
+    token included), acceptance_rate,
     speculation_off_rounds (rounds the policy ran no drafter in), hidden_state_rounds (rounds whose verify pass
     computed the target's hidden states for the drafter) and draft_length_histogram
     ({"k": rounds that verified k drafted tokens}, as `diffspec generate --json` gives it)."""
