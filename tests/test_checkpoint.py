@@ -273,3 +273,10 @@ def test_block_settings_that_cannot_be_are_named_at_load(tmp_path, target, token
     _without(path, "diffspec", "mask_token_id")
     with pytest.raises(DiffspecError, match="lacks mask_token_id"):
         load_drafter(path, dtype=torch.float64)
+
+
+def test_the_preset_names_checked_before_torch_are_the_presets_loaded():
+    from diffspec.checkpoint import PRESETS
+    from diffspec.defaults import PRESET_NAMES
+
+    assert set(PRESET_NAMES) == set(PRESETS)

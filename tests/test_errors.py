@@ -88,7 +88,7 @@ def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):
     assert "Traceback" not in proc.stderr
 
 
-def test_help_and_bad_arguments_answer_before_torch_loads():
+def test_help_and_bad_arguments_answer_before_torch_loads(tmp_path):
     """`diffspec --help`, each command's --help and the argument errors that need no model (sampling settings too,
     and bench's and make-data's settings) answer without importing
     torch or transformers (2.7-4.5 s of imports on a 2-core CPU before; ~0.15 s now): the package's names load on
@@ -108,18 +108,26 @@ for argv in (["--help"], ["generate", "--help"], ["bench", "--help"], ["train-dr
              ["bench", "--out", "b", "--threads", "0"], ["bench", "--temperature", "0.5"],
              ["make-data", "--out", "s", "--temperatures", "-1"], ["make-data", "--out", "s", "--max-new-tokens", "0"],
              ["make-data", "--out", "s", "--batch-size", "0"], ["make-data", "--out", "s", "--max-time", "0"],
-             ["make-data", "--out", "s", "--decode-step", "graph"]):
+             ["make-data", "--out", "s", "--decode-step", "graph"],
+             ["generate", "hi", "--drafter", "/no/such/drafter"], ["generate", "hi", "--drafter", EMPTY],
+             ["generate", "hi", "--drafter", "prompt-lookup+/no/such/drafter"], ["eval-drafter", EMPTY]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
         except SystemExit as e:
             codes.append(e.code)
 heavy = sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)
+print(out.getvalue())
 print(codes, heavy)
 """
+    empty = tmp_path / "not-a-drafter"  # a folder without config.json: was refused only after the target loaded
+    empty.mkdir()
+    script = script.replace("EMPTY", repr(str(empty)))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 16 + "] []", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 20 + "] []", proc.stdout
+    for words in ("drafter folder not found: /no/such/drafter", "not-a-drafter has no config.json"):
+        assert proc.stdout.count(words) == 2, proc.stdout
 
 
 def test_the_package_names_load_on_first_use():

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli_options import check_eval_drafter_spec, policy_options
+from .cli_options import check_drafter_spec, check_eval_drafter_spec, policy_options
 from .errors import DiffspecError
 
 
@@ -439,6 +439,7 @@ def _generate(args) -> int:
     if args.max_new_tokens <= 0:
         raise DiffspecError(f"max_new_tokens must be a positive integer, got {args.max_new_tokens}")
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
+    check_drafter_spec(args.drafter)  # a drafter folder that is not there: now, not after the target loaded
     from .sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -548,11 +549,11 @@ def _export(args) -> int:
 
 
 def _eval_drafter(args) -> int:
+    check_eval_drafter_spec(args.drafter)  # names only: before torch
     from .drafter_names import make_drafter
     from .evaluation import check_eval_args, evaluate_drafter, write_health
     from .target import Target
 
-    check_eval_drafter_spec(args.drafter)
     check_eval_args(args.dataset, args.num_prompts, args.max_new_tokens, args.block_size, args.anchors_per_sequence)
     out = Path(args.out).expanduser() if args.out else None
     if out is not None and out.exists() and not out.is_dir():

@@ -34,8 +34,7 @@ def _looks_like_path(text: str) -> bool:
 
 def check_eval_drafter_spec(spec: str) -> None:
     """Refuse, before any model loads, a drafter argument that cannot name a drafter to evaluate."""
-    from .checkpoint import PRESETS
-    from .drafter_names import DRAFTER_NAMES
+    from .defaults import DRAFTER_NAMES, PRESET_NAMES as PRESETS  # names only: no torch before the checks
     from .hub import looks_like_hub_id
 
     names = ", ".join(n for n in DRAFTER_NAMES if n != "none")
@@ -54,8 +53,23 @@ def check_eval_drafter_spec(spec: str) -> None:
     if path.exists():
         if not path.is_dir():
             raise DiffspecError(f"drafter '{spec}' is a file; a drafter PATH is a folder (config.json + model.safetensors)")
+        if not (path / "config.json").is_file():
+            raise DiffspecError(f"drafter folder {spec} has no config.json (a drafter PATH is a folder with config.json "
+                                f"+ model.safetensors)")
         return
     if _looks_like_path(spec):
         raise DiffspecError(f"drafter folder not found: {spec}")
     if not looks_like_hub_id(spec):
         raise DiffspecError(f"unknown drafter '{spec}' (choose from: {names}; a PATH must be an existing folder)")
+
+
+def check_drafter_spec(spec: str) -> None:
+    """A drafter name make_drafter can build (each part of A+B), checked without loading anything (nor torch)."""
+    if spec in ("none", "auto"):
+        return
+    parts = spec.split("+")
+    bad = [p for p in parts if p in ("", "none", "auto")] if len(parts) > 1 else []
+    if bad:
+        raise DiffspecError(f"drafter '{spec}': each part of A+B must be a drafter (not {', '.join(repr(b) for b in bad)})")
+    for part in parts:
+        check_eval_drafter_spec(part)

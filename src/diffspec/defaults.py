@@ -15,6 +15,8 @@ COMPILE_MODES = ("off", "on", "auto")  # --compile (compiled.py)
 EVALUATION_DOMAINS = {"humaneval": "code", "mtbench": "chat", "champ": "math"}  # eval-drafter sets -> domain
 DEFAULT_BENCH_METHODS = ("hf-generate", "plain", "hf-prompt-lookup", "prompt-lookup")  # bench --methods (bench/run.py)
 
+PRESET_NAMES = ("fast-dllm-v2", "dream")  # published layouts checkpoint.PRESETS reads (names here: no torch)
+
 DRAFTER_NAMES = {
     "auto": "the default: with the auto policy, prompt-lookup+KIND when a trained drafter ships for this target; "
             "else the shipped drafter if measurement made it the default, else prompt-lookup",

@@ -142,21 +142,9 @@ def check_profile_args(dtype: str = "float32", max_context: Optional[int] = None
         if out.exists() and not out.is_dir():
             raise DiffspecError(f"--out {out} exists and is not a folder")
     if drafter is not None:
+        from .cli_options import check_drafter_spec
+
         check_drafter_spec(drafter)
-
-
-def check_drafter_spec(spec: str) -> None:
-    """A drafter name make_drafter can build (each part of A+B), checked without loading anything."""
-    from .cli_options import check_eval_drafter_spec
-
-    if spec in ("none", "auto"):
-        return
-    parts = spec.split("+")
-    bad = [p for p in parts if p in ("", "none", "auto")] if len(parts) > 1 else []
-    if bad:
-        raise DiffspecError(f"drafter '{spec}': each part of A+B must be a drafter (not {', '.join(repr(b) for b in bad)})")
-    for part in parts:
-        check_eval_drafter_spec(part)
 
 
 # --- the work ----------------------------------------------------------------------------------
@@ -186,6 +174,8 @@ def profile_target(target, drafter=None, recalibrate: bool = False, progress: bo
         raise DiffspecError(f"the context of {target.name} is {target.max_context} tokens: timing verify passes of up "
                             f"to {max(VERIFY_KS)} tokens needs at least {MIN_CONTEXT}")
     if isinstance(drafter, str):
+        from .cli_options import check_drafter_spec
+
         check_drafter_spec(drafter)
         from .drafter_names import make_drafter
 

@@ -110,9 +110,10 @@ def serve_command(args) -> int:
     _require_server_packages()
     if args.max_queue < 0:
         raise DiffspecError(f"--max-queue must be >= 0, got {args.max_queue}")
-    from ..cli_options import policy_options
+    from ..cli_options import check_drafter_spec, policy_options
 
     options = policy_options(args)  # a setting the policy would not read is refused before the model loads
+    check_drafter_spec(args.drafter)
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
     engine = load_engine(args.model, args.drafter, args.policy, dtype=args.dtype, max_context=args.max_context,
                          drafter_dtype=args.drafter_dtype, backend=args.backend, kernels=args.kernels,
