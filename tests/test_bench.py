@@ -474,6 +474,8 @@ def test_cli_list_methods(capsys):
     (["--methods", "failfast:gamma=4"], "method 'failfast' has no parameter 'gamma'"),
     (["--methods", "conditioned:gamma=many"], "parameter gamma must be an integer"),
     (["--methods", "ar"], "needs drafter="),
+    (["--methods", "conditioned:drafter=/no/such/drafter"], "drafter folder not found: /no/such/drafter"),
+    (["--methods", "ar:drafter=/no/such/model.gguf"], "drafter path not found: /no/such/model.gguf"),
     (["--methods", "conditioned:drafter_dtype=fp8"], "unknown drafter dtype 'fp8'"),
     (["--methods", "combined:policy=greedy"], "unknown policy 'greedy'"),
     (["--sweep", "tau"], "--sweep takes PARAM=V1,V2"),

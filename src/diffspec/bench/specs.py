@@ -66,6 +66,11 @@ def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:
         if req not in keys:
             raise DiffspecError(f"method '{base}' needs {req}=..., e.g. {base}:{req}=PATH")
     check_policy_settings(definition, params, text)
+    for key, value in params:
+        if key == "drafter":  # a folder that is not there: now, not after the target loaded and plain ran
+            from ..cli_options import check_drafter_spec
+
+            check_drafter_spec(f"ar:{value}" if base == "ar" else str(value))
     name = base if not params else f"{base}:" + ",".join(f"{k}={v}" for k, v in params)
     return MethodSpec(name, base, tuple(params))
 
