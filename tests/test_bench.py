@@ -475,6 +475,14 @@ def test_cli_list_methods(capsys):
     (["--methods", "conditioned:gamma=many"], "parameter gamma must be an integer"),
     (["--methods", "ar"], "needs drafter="),
     (["--methods", "conditioned:drafter=/no/such/drafter"], "drafter folder not found: /no/such/drafter"),
+    (["--methods", "prompt-lookup:min_ngram=0"], "parameter min_ngram must be >= 1, got 0"),
+    (["--methods", "prompt-lookup:max_ngram=1,min_ngram=3"], "need min_ngram <= max_ngram, got 3 and 1"),
+    (["--methods", "specdiff:steps=0"], "parameter steps must be >= 1, got 0"),
+    (["--methods", "failfast:tau=nan"], "parameter tau must be in [0, 1], got nan"),
+    (["--methods", "conditioned:gamma=-1"], "parameter gamma must be >= 0, got -1"),
+    (["--methods", "failfast:n=20,n_max=5"], "need n <= n_max, got 20 and 5"),
+    (["--methods", "failfast", "--sweep", "tau=0.3,7"], "parameter tau must be in [0, 1], got 7.0"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
     (["--methods", "ar:drafter=/no/such/model.gguf"], "drafter path not found: /no/such/model.gguf"),
     (["--methods", "conditioned:drafter_dtype=fp8"], "unknown drafter dtype 'fp8'"),
     (["--methods", "combined:policy=greedy"], "unknown policy 'greedy'"),
@@ -492,6 +500,13 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert rc == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("diffspec: error: ") and message in lines[0]
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_loads(tmp_path, capsys):
+    (tmp_path / "results.txt").write_text("mine")
+    rc = main(["bench", "--out", str(tmp_path / "results.txt"), "--model", "/no/such/model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "exists and is not a folder" in err and (tmp_path / "results.txt").read_text() == "mine"
 
 
 def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, monkeypatch, capsys):

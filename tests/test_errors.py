@@ -110,7 +110,10 @@ for argv in (["--help"], ["generate", "--help"], ["bench", "--help"], ["train-dr
              ["make-data", "--out", "s", "--batch-size", "0"], ["make-data", "--out", "s", "--max-time", "0"],
              ["make-data", "--out", "s", "--decode-step", "graph"],
              ["generate", "hi", "--drafter", "/no/such/drafter"], ["generate", "hi", "--drafter", EMPTY],
-             ["generate", "hi", "--drafter", "prompt-lookup+/no/such/drafter"], ["eval-drafter", EMPTY]):
+             ["generate", "hi", "--drafter", "prompt-lookup+/no/such/drafter"], ["eval-drafter", EMPTY],
+             ["generate", "hi", "--policy", "fixed", "--gamma", "-2"], ["generate", "hi", "--policy", "failfast", "--tau", "nan"],
+             ["generate", "hi", "--policy", "failfast", "--n", "0"],
+             ["generate", "hi", "--policy", "failfast", "--n", "20", "--n-max", "5"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
@@ -125,9 +128,12 @@ print(codes, heavy)
     script = script.replace("EMPTY", repr(str(empty)))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 20 + "] []", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 24 + "] []", proc.stdout
     for words in ("drafter folder not found: /no/such/drafter", "not-a-drafter has no config.json"):
         assert proc.stdout.count(words) == 2, proc.stdout
+    for words in ("--gamma must be an integer >= 0, got -2", "must be in [0, 1], got nan", "must be an integer >= 1, got 0",
+                  "--n-max must be >= --n: got N 20, N_max 5"):
+        assert words in proc.stdout, proc.stdout
 
 
 def test_the_package_names_load_on_first_use():

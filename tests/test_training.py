@@ -544,3 +544,36 @@ def test_a_run_shorter_than_its_profile_writes_the_steps_it_profiled(tmp_path, t
                           profile_steps=4))
     assert "steps 4..5 (after 2 steps and a warm-up step; the run ended first)" in (
         tmp_path / "b" / "profile_steps.txt").read_text()
+
+
+def test_a_run_whose_loss_stops_being_finite_fails_and_writes_no_drafter(tmp_path, tiny_model_dir, store, monkeypatch):
+    """A NaN setting (--grad-clip nan: refused now, up front) made every weight NaN and the run still said 'done'
+    and wrote the drafter. A loss that stops being finite, for any reason, now ends the run with an error naming
+    the step; no drafter is written and the last checkpoint is the one before."""
+    from diffspec import DiffspecError
+    from diffspec.training import run
+
+    with pytest.raises(DiffspecError, match="grad-clip must be > 0"):
+        train_drafter(request(tmp_path / "nan", tiny_model_dir, store, steps=2, grad_clip=float("nan")))
+    parts, calls = run._parts, []
+
+    def poisoned(out):
+        ce, *rest = parts(out)
+        calls.append(1)
+        return (ce * float("nan") if len(calls) == 3 else ce, *rest)
+
+    monkeypatch.setattr(run, "_parts", poisoned)
+    with pytest.raises(DiffspecError, match="diverged at step 3: the loss is not finite"):
+        train_drafter(request(tmp_path / "run", tiny_model_dir, store, steps=5))
+    assert not (tmp_path / "run" / "drafter" / "model.safetensors").exists()
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ckpt["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_target_loads(tmp_path, store):
+    from diffspec import DiffspecError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(DiffspecError, match="exists and is not a folder"):
+        train_drafter(request(tmp_path / "notes.txt", "/no/such/model", store, steps=1))
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -480,6 +480,8 @@ def _bench(args) -> int:
     if not args.list_methods:  # settings that need no torch are refused before it loads (~3 s)
         if args.out is None:
             raise DiffspecError("--out DIR is required (results.jsonl, summary.md, summary.json and plots go there)")
+        if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
+            raise DiffspecError(f"--out {args.out} exists and is not a folder")
         if args.threads is not None and args.threads < 1:
             raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
         SamplingParams(temperature=args.temperature, seed=args.seed)

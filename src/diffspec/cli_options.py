@@ -23,7 +23,24 @@ def policy_options(args) -> dict:
     if ignored:
         raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
                             f"{args.policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
-    return {k: v for k, v in given.items() if v is not None}
+    options = {k: v for k, v in given.items() if v is not None}
+    check_policy_values(options)
+    return options
+
+
+def check_policy_values(options: dict) -> None:
+    """The values FixedPolicy and FailFastPolicy would refuse, refused before torch and the model load (the same
+    rules as theirs; FailFast's defaults N 10, N_max 60)."""
+    gamma, tau, n, n_max = (options.get(k) for k in ("gamma", "tau", "n", "n_max"))
+    if gamma is not None and gamma < 0:
+        raise DiffspecError(f"--gamma must be an integer >= 0, got {gamma}")
+    if tau is not None and not 0.0 <= tau <= 1.0:  # NaN fails too
+        raise DiffspecError(f"--tau (failfast's confidence threshold) must be in [0, 1], got {tau}")
+    if n is not None and n < 1:
+        raise DiffspecError(f"--n (failfast's window) must be an integer >= 1, got {n}")
+    if (n is not None or n_max is not None) and (n_max if n_max is not None else 60) < (n if n is not None else 10):
+        raise DiffspecError(f"--n-max must be >= --n: got N {n if n is not None else 10}, "
+                            f"N_max {n_max if n_max is not None else 60}")
 
 
 def _looks_like_path(text: str) -> bool:

@@ -23,7 +23,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_device_available(device: str) -> None:
-    """Refuse, by name and before any model loads, a CUDA device this torch cannot see."""
+    """Refuse, by name and before any model loads, a device torch does not know (e.g. 'tpu') or a CUDA device this
+    torch cannot see."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DiffspecError(f"unknown device '{device}' (e.g. cpu, cuda, cuda:1, mps)") from None
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise DiffspecError("--device cuda asked for, but torch sees no CUDA device")
 

@@ -48,8 +48,25 @@ class MethodDef:
         return any(p.name == name for p in self.params)
 
 
-_FAILFAST = (Param("tau", float, 0.45, "FailFast confidence threshold"),
-             Param("n", int, 10, "FailFast window increment N"), Param("n_max", int, 60, "FailFast maximum draft length"))
+def _at_least(name: str, low: int) -> Callable:
+    """A check refusing a value below `low` by name at parse time (not from deep inside a drafter after the target
+    loaded)."""
+    def check(value) -> None:
+        if value < low:
+            raise DiffspecError(f"parameter {name} must be >= {low}, got {value}")
+    return check
+
+
+def _unit(name: str) -> Callable:
+    def check(value) -> None:
+        if not 0.0 <= value <= 1.0:  # NaN fails too
+            raise DiffspecError(f"parameter {name} must be in [0, 1], got {value}")
+    return check
+
+
+_FAILFAST = (Param("tau", float, 0.45, "FailFast confidence threshold", check=_unit("tau")),
+             Param("n", int, 10, "FailFast window increment N", check=_at_least("n", 1)),
+             Param("n_max", int, 60, "FailFast maximum draft length", check=_at_least("n_max", 1)))
 
 
 def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str = "",
@@ -132,7 +149,7 @@ def _check_combination(value: str) -> None:
                             f"prompt-lookup+conditioned, got '{value}'")
 
 
-_GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)")
+_GAMMA = Param("gamma", int, None, "fixed draft length (default: the drafter's)", check=_at_least("gamma", 0))
 
 
 def _check_drafter_dtype(value: str) -> None:
@@ -162,8 +179,8 @@ METHODS: dict = {m.name: m for m in [
     MethodDef("plain", "the engine with no drafter (the baseline every speedup divides by)",
               build=_engine_builder(None, "fixed")),
     MethodDef("hf-prompt-lookup", "transformers generate with prompt_lookup_num_tokens",
-              (Param("num_tokens", int, 10, "prompt_lookup_num_tokens"),
-               Param("max_ngram", int, 2, "max_matching_ngram_size")), _hf_builder(True)),
+              (Param("num_tokens", int, 10, "prompt_lookup_num_tokens", check=_at_least("num_tokens", 1)),
+               Param("max_ngram", int, 2, "max_matching_ngram_size", check=_at_least("max_ngram", 1))), _hf_builder(True)),
     MethodDef("auto", "the default: auto drafter (prompt-lookup+trained drafter where one ships) + auto policy",
               (_DRAFTER_DTYPE,), _engine_builder("auto", "auto", combine=True)),
     MethodDef("combined", "two drafters A+B, each round the proposal worth more verified; auto policy by default",
@@ -172,12 +189,12 @@ METHODS: dict = {m.name: m for m in [
               _engine_builder(None, None)),
     MethodDef("prompt-lookup", "our n-gram drafter, FailFast policy by default",
               (_policy("failfast"), _GAMMA) + _FAILFAST +
-              (Param("max_ngram", int, 3), Param("min_ngram", int, 2)), _engine_builder("prompt-lookup", None)),
+              (Param("max_ngram", int, 3, check=_at_least("max_ngram", 1)), Param("min_ngram", int, 2, check=_at_least("min_ngram", 1))), _engine_builder("prompt-lookup", None)),
     MethodDef("ar", "an autoregressive draft model (ar:drafter=PATH), fixed gamma by default",
               (_drafter(None), _policy("fixed"), _GAMMA) + _FAILFAST,
               _engine_builder(None, None, prefix="ar:"), required=("drafter",)),
     MethodDef("specdiff", "masked-diffusion drafter, fixed gamma, T denoising steps (SpecDiff)",
-              (_drafter("masked-diffusion"), _GAMMA, Param("steps", int, None, "T denoising steps (default: the drafter's)")),
+              (_drafter("masked-diffusion"), _GAMMA, Param("steps", int, None, "T denoising steps (default: the drafter's)", check=_at_least("steps", 1))),
               _engine_builder(None, "fixed")),
     MethodDef("dllm-fixed", "block-diffusion drafter, fixed gamma",
               (_drafter("block-diffusion"), _GAMMA, _DRAFTER_DTYPE), _engine_builder(None, "fixed")),
@@ -189,11 +206,11 @@ METHODS: dict = {m.name: m for m in [
     MethodDef("conditioned-failfast", "target-conditioned drafter + FailFast policy",
               (_drafter("conditioned"), _DRAFTER_DTYPE) + _FAILFAST, _engine_builder(None, "failfast")),
     MethodDef("llama.cpp", "llama.cpp's own plain decoding of the target's GGUF (llama-cpp-python Llama.generate; "
-                           "the CPU peer)", (Param("threads", int, None, "threads (default: the target's, else all usable cores)"),),
+                           "the CPU peer)", (Param("threads", int, None, "threads (default: the target's, else all usable cores)", check=_at_least("threads", 1)),),
               _llama_cpp_builder),
     MethodDef("dflash-ref", "z-lab's reference dflash_generate with the same conditioned drafter's weights "
                             "(optional: pip install --no-deps dflash==0.1.0)",
-              (_drafter("conditioned"), Param("block_size", int, None, "the reference's block (default: the drafter's)")),
+              (_drafter("conditioned"), Param("block_size", int, None, "the reference's block (default: the drafter's)", check=_at_least("block_size", 2))),
               _dflash_ref_builder),
 ]}
 

@@ -66,6 +66,12 @@ def parse_method(text: str, registry: Optional[dict] = None) -> MethodSpec:
         if req not in keys:
             raise DiffspecError(f"method '{base}' needs {req}=..., e.g. {base}:{req}=PATH")
     check_policy_settings(definition, params, text)
+    given = dict(params)
+    for low, high in (("min_ngram", "max_ngram"), ("n", "n_max")):  # pairs, the defaults filling in
+        if definition.accepts(low) and definition.accepts(high) and (low in given or high in given):
+            lo, hi = given.get(low, definition.param(low).default), given.get(high, definition.param(high).default)
+            if lo is not None and hi is not None and lo > hi:
+                raise DiffspecError(f"method '{text}': need {low} <= {high}, got {lo} and {hi}")
     for key, value in params:
         if key == "drafter":  # a folder that is not there: now, not after the target loaded and plain ran
             from ..cli_options import check_drafter_spec

@@ -131,6 +131,11 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError(f"--seq-len {req.seq_len} leaves no room for a block of {req.block_size}")
     if not req.slot_decay > 0 or not req.lr > 0 or not 0 <= req.warmup < 1:
         raise DiffspecError("need --slot-decay > 0, --lr > 0 and 0 <= --warmup < 1")
+    if not req.grad_clip > 0:  # NaN too: clipping to NaN made every weight NaN, and the run said done
+        raise DiffspecError(f"--grad-clip must be > 0 (inf: no clipping), got {req.grad_clip}")
+    out = Path(req.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise DiffspecError(f"--out {req.out} exists and is not a folder")
     if req.held_out < 0 or req.eval_prompts < 0 or req.eval_tokens < 2:
         raise DiffspecError("need --held-out >= 0, --eval-prompts >= 0 and --eval-tokens >= 2")
     if req.eval_anchors is not None and req.eval_anchors < 1:
@@ -539,6 +544,10 @@ def _train(req: TrainRequest, world: World) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), req.grad_clip)
                 opt.step()
             sums = all_sum(torch.stack([ce.detach().float(), slots.float(), correct.float(), count.float()]), world)
+            if not torch.isfinite(sums[0]):  # every rank sees the same sum: all stop here, nothing written as done
+                raise DiffspecError(f"training diverged at step {state['step'] + 1}: the loss is not finite "
+                                    f"({float(sums[0])}); the last checkpoint stays as it was, no drafter is written "
+                                    f"(try a lower --lr, or --train-dtype float32)")
             state["step"] += 1
             state["tokens"] += int(sums[1])
             state["anchors"] = state.get("anchors", 0) + int(sums[3])
