@@ -185,3 +185,18 @@ def test_system_message_without_a_chat_template_is_refused(tiny_model, tokenizer
     with pytest.raises(DiffspecError, match="has no chat template"):
         Target(tiny_model, bare, name="base").encode_prompt("hi", system="be brief")
     assert Target(tiny_model, bare).encode_prompt("w1 w2") == bare("w1 w2")["input_ids"]  # no template: raw
+
+
+@pytest.mark.parametrize("kw, words", [(dict(policy="auto", gamma=4), "gamma does not apply to the auto policy"),
+                                       (dict(policy="fixed", tau=0.3), "tau does not apply to the fixed policy"),
+                                       (dict(policy="failfast", n=20, n_max=5), "must be >= --n"),
+                                       (dict(policy="greedy"), "unknown policy 'greedy'")])
+def test_the_python_api_refuses_a_policy_setting_it_would_ignore(kw, words, monkeypatch):
+    """`diffspec.generate("hi", policy="auto", gamma=4)` ran, gamma silently unused (the CLI refused --gamma with
+    auto by name). Refused now, before any model loads."""
+    from diffspec import api
+
+    monkeypatch.setattr(api, "load_target", lambda *a, **k: pytest.fail("loaded a model before the check"))
+    monkeypatch.setattr(api, "_shared_target", lambda *a, **k: pytest.fail("loaded a model before the check"))
+    with pytest.raises(DiffspecError, match=words):
+        api.load_engine(model="/no/such/model", backend="transformers", **kw)

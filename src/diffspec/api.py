@@ -36,6 +36,8 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     `compile`: off, on or auto, the transformers backend's compiled passes (compiled.py)."""
     torch_dtype = parse_dtype(dtype)
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
+    if isinstance(policy, str):
+        _check_policy_options(policy, policy_options)
     check_backend_settings(backend, model, torch_dtype, device, kernels, compile)
     engine_key = None
     if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
@@ -67,6 +69,23 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     if engine_key is not None:
         _ENGINES[engine_key] = engine
     return engine
+
+
+def _check_policy_options(policy: str, options: dict) -> None:
+    """A setting the named policy would not read (gamma with auto or failfast, tau with fixed, ...) is refused by
+    name, as the CLI refuses it, never ignored; values are checked as the policies check them."""
+    from .cli_options import check_policy_values
+    from .errors import DiffspecError
+    from .defaults import POLICY_SETTINGS
+    from .policies import POLICY_NAMES
+
+    if policy not in POLICY_SETTINGS:
+        raise DiffspecError(f"unknown policy '{policy}' (choose from: {', '.join(POLICY_NAMES)})")
+    ignored = [k for k, v in options.items() if v is not None and v is not False and k not in POLICY_SETTINGS[policy]]
+    if ignored:
+        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the {policy} "
+                            f"policy (gamma: fixed; tau, n, n_max: failfast; recalibrate: auto)")
+    check_policy_values(options)
 
 
 def _shared_target(model, dtype: str, torch_dtype, device: str, max_context, backend: str, quiet: bool,
