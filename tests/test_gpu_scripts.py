@@ -39,7 +39,13 @@ def test_the_gpu_scripts_exist_and_name_commands():
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
-def test_every_diffspec_command_of_a_gpu_script_parses(path):
+def test_every_diffspec_command_of_a_gpu_script_parses(path, monkeypatch):
+    import diffspec.cli_options as options
+
+    # a bench method's drafter=PATH is a folder the script trains before it runs the bench: it is not there yet, so
+    # only its form is checked here (a name, or an absolute path), not the folder
+    names = []
+    monkeypatch.setattr(options, "check_drafter_spec", names.append)
     parser = build_parser()
     for argv in diffspec_commands(path.read_text()):
         try:
@@ -48,6 +54,9 @@ def test_every_diffspec_command_of_a_gpu_script_parses(path):
             pytest.fail(f"{path.name}: the CLI refuses `diffspec {' '.join(argv)}`")
         if args.command == "bench":
             expand_methods(args.methods)  # raises DiffspecError naming a bad method or parameter
+    from diffspec.defaults import DRAFTER_NAMES
+
+    assert all(n.startswith(("/", "ar:/")) or all(p in DRAFTER_NAMES for p in n.split("+")) for n in names), names
 
 
 def test_the_extractor_sees_what_a_script_passes():
