@@ -200,3 +200,20 @@ def test_the_python_api_refuses_a_policy_setting_it_would_ignore(kw, words, monk
     monkeypatch.setattr(api, "_shared_target", lambda *a, **k: pytest.fail("loaded a model before the check"))
     with pytest.raises(DiffspecError, match=words):
         api.load_engine(model="/no/such/model", backend="transformers", **kw)
+
+
+@pytest.mark.parametrize("max_context", [0, -1, 1])
+def test_a_context_that_holds_no_new_token_is_refused_before_loading(max_context, monkeypatch):
+    """--max-context 0 ran at the model's whole context and -1 failed after loading."""
+    from diffspec import api
+
+    monkeypatch.setattr(api, "_shared_target", lambda *a, **k: pytest.fail("loaded a model before the check"))
+    with pytest.raises(DiffspecError, match=f"max_context .* must be >= 2.*got {max_context}"):
+        api.load_engine(model="/no/such/model", backend="transformers", max_context=max_context)
+
+
+def test_train_drafter_refuses_a_corpus_beside_a_store(tmp_path):
+    """`--data STORE --corpus C` dropped --corpus (the store's prompts are its own): refused by name."""
+    proc = cli("train-drafter", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "store"), "--corpus",
+               str(tmp_path / "c.jsonl"), "--steps", "1")
+    assert proc.returncode == 2 and "--corpus applies without --data" in proc.stderr, proc.stderr

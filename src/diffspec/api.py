@@ -16,6 +16,7 @@ from .defaults import DEFAULT_DRAFTER, DEFAULT_POLICY  # noqa: F401 (api.DEFAULT
 from .backends import asks_for_transformers, auto_keeps, check_backend_settings, choose_backend, load_target
 from .devices import parse_dtype
 from .drafter_names import check_drafter_dtype, make_drafter
+from .errors import DiffspecError
 from .engine import Prompt, SpeculativeEngine
 from .policies import LengthPolicy, make_policy
 from .types import GenerationResult, SamplingParams
@@ -38,6 +39,8 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
     check_drafter_dtype(drafter_dtype)  # before the target loads: a typo fails in milliseconds
     if isinstance(policy, str):
         _check_policy_options(policy, policy_options)
+    if max_context is not None and not max_context >= 2:  # 0 meant "the model's" and -1 failed after loading
+        raise DiffspecError(f"max_context (--max-context) must be >= 2 (a prompt token and a new one), got {max_context}")
     check_backend_settings(backend, model, torch_dtype, device, kernels, compile)
     engine_key = None
     if isinstance(policy, str):  # a policy object may carry state: such engines are not shared
@@ -75,7 +78,6 @@ def _check_policy_options(policy: str, options: dict) -> None:
     """A setting the named policy would not read (gamma with auto or failfast, tau with fixed, ...) is refused by
     name, as the CLI refuses it, never ignored; values are checked as the policies check them."""
     from .cli_options import check_policy_values
-    from .errors import DiffspecError
     from .defaults import POLICY_SETTINGS
     from .policies import POLICY_NAMES
 

