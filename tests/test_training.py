@@ -577,3 +577,16 @@ def test_an_out_that_is_a_file_is_refused_before_the_target_loads(tmp_path, stor
     with pytest.raises(DiffspecError, match="exists and is not a folder"):
         train_drafter(request(tmp_path / "notes.txt", "/no/such/model", store, steps=1))
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_run_into_a_runs_folder_without_resume_is_refused(tmp_path, tiny_model_dir, store):
+    """Re-running train-drafter into a folder that holds a run started over and replaced its checkpoint and drafter
+    (make-data and export-drafter refuse such a folder). Refused now, before the target loads; --resume continues."""
+    from diffspec import DiffspecError
+
+    train_drafter(request(tmp_path, tiny_model_dir, store, steps=2))
+    before = (tmp_path / "drafter" / "model.safetensors").read_bytes()
+    with pytest.raises(DiffspecError, match="holds a training run.*--resume continues it"):
+        train_drafter(request(tmp_path, "/no/such/model", store, steps=4))
+    assert (tmp_path / "drafter" / "model.safetensors").read_bytes() == before
+    assert train_drafter(request(tmp_path, tiny_model_dir, store, steps=4, resume=True))["steps"] == 4

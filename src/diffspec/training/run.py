@@ -136,6 +136,9 @@ def validate(req: TrainRequest) -> None:
     out = Path(req.out).expanduser()
     if out.exists() and not out.is_dir():
         raise DiffspecError(f"--out {req.out} exists and is not a folder")
+    if not req.resume and (out / "checkpoint.pt").is_file():  # started over and replaced it, drafter and all
+        raise DiffspecError(f"--out {req.out} holds a training run (checkpoint.pt): --resume continues it; another "
+                            f"--out starts a new one")
     if req.held_out < 0 or req.eval_prompts < 0 or req.eval_tokens < 2:
         raise DiffspecError("need --held-out >= 0, --eval-prompts >= 0 and --eval-tokens >= 2")
     if req.eval_anchors is not None and req.eval_anchors < 1:
