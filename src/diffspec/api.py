@@ -75,18 +75,15 @@ def load_engine(model: Optional[str] = None, drafter: Optional[str] = DEFAULT_DR
 
 
 def _check_policy_options(policy: str, options: dict) -> None:
-    """A setting the named policy would not read (gamma with auto or failfast, tau with fixed, ...) is refused by
-    name, as the CLI refuses it, never ignored; values are checked as the policies check them."""
-    from .cli_options import check_policy_values
+    """As the CLI checks them: a setting the named policy would not read is refused by name, never ignored; values
+    as the policies check them."""
+    from .cli_options import check_policy_values, refuse_unread_settings
     from .defaults import POLICY_SETTINGS
     from .policies import POLICY_NAMES
 
     if policy not in POLICY_SETTINGS:
         raise DiffspecError(f"unknown policy '{policy}' (choose from: {', '.join(POLICY_NAMES)})")
-    ignored = [k for k, v in options.items() if v is not None and v is not False and k not in POLICY_SETTINGS[policy]]
-    if ignored:
-        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the {policy} "
-                            f"policy (gamma: fixed; tau, n, n_max: failfast; recalibrate: auto)")
+    refuse_unread_settings(policy, options)
     check_policy_values(options)
 
 

@@ -6,6 +6,7 @@ which imports them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from .errors import DiffspecError
 
@@ -15,22 +16,31 @@ def policy_options(args) -> dict:
     (e.g. --gamma with failfast or auto, --tau with fixed) is refused by name."""
     given = {"gamma": args.gamma, "tau": args.tau, "n": args.n, "n_max": args.n_max,
              "recalibrate": True if getattr(args, "recalibrate", False) else None}
-    from .defaults import POLICY_SETTINGS  # no torch: refused before anything heavy loads
-
-    reads = POLICY_SETTINGS[args.policy]
     flags = {"gamma": "--gamma", "tau": "--tau", "n": "--n", "n_max": "--n-max", "recalibrate": "--recalibrate"}
-    ignored = [flags[k] for k, v in given.items() if v is not None and k not in reads]
-    if ignored:
-        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
-                            f"{args.policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
+    refuse_unread_settings(args.policy, given, flags)
     options = {k: v for k, v in given.items() if v is not None}
     check_policy_values(options)
     return options
 
 
+def refuse_unread_settings(policy: str, options: dict, names: Optional[dict] = None) -> None:
+    """A setting the named policy would not read (gamma with auto or failfast, tau with fixed, ...) is refused by
+    name (`names`: how each is spelt to the user, e.g. the CLI's flags), never ignored. None and False are unset."""
+    from .defaults import POLICY_SETTINGS  # no torch: refused before anything heavy loads
+
+    names = names or {}
+    ignored = [names.get(k, k) for k, v in options.items() if v is not None and v is not False
+               and k not in POLICY_SETTINGS[policy]]
+    if ignored:
+        raise DiffspecError(f"{', '.join(ignored)} {'does' if len(ignored) == 1 else 'do'} not apply to the "
+                            f"{policy} policy (gamma: fixed; tau, n, n-max: failfast; recalibrate: auto)")
+
+
 def check_policy_values(options: dict) -> None:
     """The values FixedPolicy and FailFastPolicy would refuse, refused before torch and the model load (the same
-    rules as theirs; FailFast's defaults N 10, N_max 60)."""
+    rules as theirs, FailFast's defaults filling in)."""
+    from .defaults import FAILFAST_DEFAULTS
+
     gamma, tau, n, n_max = (options.get(k) for k in ("gamma", "tau", "n", "n_max"))
     if gamma is not None and gamma < 0:
         raise DiffspecError(f"--gamma must be an integer >= 0, got {gamma}")
@@ -38,9 +48,11 @@ def check_policy_values(options: dict) -> None:
         raise DiffspecError(f"--tau (failfast's confidence threshold) must be in [0, 1], got {tau}")
     if n is not None and n < 1:
         raise DiffspecError(f"--n (failfast's window) must be an integer >= 1, got {n}")
-    if (n is not None or n_max is not None) and (n_max if n_max is not None else 60) < (n if n is not None else 10):
-        raise DiffspecError(f"--n-max must be >= --n: got N {n if n is not None else 10}, "
-                            f"N_max {n_max if n_max is not None else 60}")
+    if n is not None or n_max is not None:
+        n = FAILFAST_DEFAULTS["n"] if n is None else n
+        n_max = FAILFAST_DEFAULTS["n_max"] if n_max is None else n_max
+        if n_max < n:
+            raise DiffspecError(f"--n-max must be >= --n: got N {n}, N_max {n_max}")
 
 
 def _looks_like_path(text: str) -> bool:

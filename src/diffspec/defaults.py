@@ -8,6 +8,7 @@ DEFAULT_DRAFTER = "auto"  # prompt-lookup (+ the shipped trained drafter for the
 DEFAULT_POLICY = "auto"   # measured costs: draft length per round, speculation off where it loses
 FC_INITS = ("random", "lowest-layer")  # train-drafter --fc-init
 #: the settings each --policy reads (policies/__init__.py)
+FAILFAST_DEFAULTS = {"tau": 0.45, "n": 10, "n_max": 60}  # the paper's (policies/failfast.py)
 POLICY_SETTINGS = {"fixed": ("gamma",), "failfast": ("tau", "n", "n_max"), "auto": ("recalibrate",)}
 BACKENDS = ("auto", "transformers", "llama.cpp")  # --backend (backends/__init__.py)
 KERNELS = ("auto", "multi-row", "stock", "q8")  # --kernels (kernels.py)

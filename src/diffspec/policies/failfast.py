@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..defaults import FAILFAST_DEFAULTS
 from ..errors import DiffspecError
 from .base import LengthPolicy
 
@@ -27,9 +28,9 @@ def failfast_next_increment(confidences: Sequence[float], tau: float, n: int, n_
 
 @dataclass
 class FailFastPolicy(LengthPolicy):
-    tau: float = 0.45
-    n: int = 10
-    n_max: int = 60
+    tau: float = FAILFAST_DEFAULTS["tau"]
+    n: int = FAILFAST_DEFAULTS["n"]
+    n_max: int = FAILFAST_DEFAULTS["n_max"]
     name: str = "failfast"
 
     def __post_init__(self) -> None:
