@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli_options import check_drafter_spec, check_eval_drafter_spec, policy_options
+from .cli_options import check_drafter_spec, check_eval_drafter_spec, check_out_folder, policy_options
 from .errors import DiffspecError
 
 
@@ -483,8 +483,7 @@ def _bench(args) -> int:
     if not args.list_methods:  # settings that need no torch are refused before it loads (~3 s)
         if args.out is None:
             raise DiffspecError("--out DIR is required (results.jsonl, summary.md, summary.json and plots go there)")
-        if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
-            raise DiffspecError(f"--out {args.out} exists and is not a folder")
+        check_out_folder(args.out)
         if args.threads is not None and args.threads < 1:
             raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
         SamplingParams(temperature=args.temperature, seed=args.seed)
@@ -561,8 +560,8 @@ def _eval_drafter(args) -> int:
 
     check_eval_args(args.dataset, args.num_prompts, args.max_new_tokens, args.block_size, args.anchors_per_sequence)
     out = Path(args.out).expanduser() if args.out else None
-    if out is not None and out.exists() and not out.is_dir():
-        raise DiffspecError(f"--out {out} exists and is not a folder")
+    if out is not None:
+        check_out_folder(out)
     target = Target.load(args.model, quiet=args.json)
     drafter = make_drafter(args.drafter, target)
     health = evaluate_drafter(drafter, target, sets=args.dataset, num_prompts=args.num_prompts,

@@ -55,6 +55,13 @@ def check_policy_values(options: dict) -> None:
             raise DiffspecError(f"--n-max must be >= --n: got N {n}, N_max {n_max}")
 
 
+def check_out_folder(out) -> None:
+    """An --out that names a file is refused by name before anything writes into it (a folder, or nothing yet)."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise DiffspecError(f"--out {out} exists and is not a folder")
+
+
 def _looks_like_path(text: str) -> bool:
     """A drafter argument meant as a file or folder (a hub id owner/name is not one)."""
     return text.startswith(("/", "./", "../", "~", ".\\")) or text in (".", "..") or text.count("/") >= 2 \

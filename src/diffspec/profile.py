@@ -139,8 +139,9 @@ def check_profile_args(dtype: str = "float32", max_context: Optional[int] = None
                             f"{max(VERIFY_KS)}-token verify block timed), got {max_context!r}")
     if out is not None:
         out = Path(out).expanduser()
-        if out.exists() and not out.is_dir():
-            raise DiffspecError(f"--out {out} exists and is not a folder")
+        from .cli_options import check_out_folder
+
+        check_out_folder(out)
     if drafter is not None:
         from .cli_options import check_drafter_spec
 

@@ -133,9 +133,10 @@ def validate(req: TrainRequest) -> None:
         raise DiffspecError("need --slot-decay > 0, --lr > 0 and 0 <= --warmup < 1")
     if not req.grad_clip > 0:  # NaN too: clipping to NaN made every weight NaN, and the run said done
         raise DiffspecError(f"--grad-clip must be > 0 (inf: no clipping), got {req.grad_clip}")
+    from ..cli_options import check_out_folder
+
+    check_out_folder(req.out)
     out = Path(req.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise DiffspecError(f"--out {req.out} exists and is not a folder")
     if not req.resume and (out / "checkpoint.pt").is_file():  # started over and replaced it, drafter and all
         raise DiffspecError(f"--out {req.out} holds a training run (checkpoint.pt): --resume continues it; another "
                             f"--out starts a new one")
