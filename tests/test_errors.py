@@ -77,6 +77,8 @@ def test_the_cli_as_a_process_errors_in_one_line_and_exits_2(tiny_model_dir):
     (["generate", "w1", "--gamma", "4"], "--gamma does not apply to the auto policy"),
     (["generate", "w1", "--policy", "fixed", "--tau", "0.3", "--n", "4"], "--tau, --n do not apply to the fixed"),
     (["generate", "w1", "--drafter", "prompt-lookup+none"], "each part of A+B"),
+    (["generate", "w1", "--top-k", "5"], "--top-k only shapes sampling: under greedy decoding"),
+    (["generate", "w1", "--top-p", "0.9", "--seed", "3"], "--top-p, --seed only shape sampling"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(tiny_model_dir, args, word):
     if "--model" not in args:
@@ -113,7 +115,8 @@ for argv in (["--help"], ["generate", "--help"], ["bench", "--help"], ["train-dr
              ["generate", "hi", "--drafter", "prompt-lookup+/no/such/drafter"], ["eval-drafter", EMPTY],
              ["generate", "hi", "--policy", "fixed", "--gamma", "-2"], ["generate", "hi", "--policy", "failfast", "--tau", "nan"],
              ["generate", "hi", "--policy", "failfast", "--n", "0"],
-             ["generate", "hi", "--policy", "failfast", "--n", "20", "--n-max", "5"]):
+             ["generate", "hi", "--policy", "failfast", "--n", "20", "--n-max", "5"],
+             ["generate", "hi", "--seed", "3"], ["bench", "--out", "b", "--seed", "3"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
@@ -128,11 +131,11 @@ print(codes, heavy)
     script = script.replace("EMPTY", repr(str(empty)))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 24 + "] []", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0, 0, 0, 0, 0" + ", 2" * 26 + "] []", proc.stdout
     for words in ("drafter folder not found: /no/such/drafter", "not-a-drafter has no config.json"):
         assert proc.stdout.count(words) == 2, proc.stdout
     for words in ("--gamma must be an integer >= 0, got -2", "must be in [0, 1], got nan", "must be an integer >= 1, got 0",
-                  "--n-max must be >= --n: got N 20, N_max 5"):
+                  "--n-max must be >= --n: got N 20, N_max 5", "--seed only shapes sampling: under greedy"):
         assert words in proc.stdout, proc.stdout
 
 

@@ -28,7 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli_options import check_drafter_spec, check_eval_drafter_spec, check_out_folder, policy_options
+from .cli_options import (check_drafter_spec, check_eval_drafter_spec, check_out_folder, policy_options,
+                          refuse_sampling_settings_under_greedy)
 from .errors import DiffspecError
 
 
@@ -271,7 +272,8 @@ def _add_bench_parser(sub, default_model: str) -> None:
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; lossless check on)")
     b.add_argument("--seed", type=int, default=None)
     b.add_argument("--repeats", type=int, default=1, help="runs per method x prompt; the median wall time counts")
-    b.add_argument("--out", default=None, help="output folder (results.jsonl, summary.md, summary.json, PNGs)")
+    b.add_argument("--out", default=None, help="output folder, required except with --list-methods (results.jsonl, "
+                   "summary.md, summary.json, PNGs)")
     b.add_argument("--model", default=None, help=f"target (default {default_model})")
     b.add_argument("--dtype", default="float32", help="target dtype (default float32)")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -446,6 +448,8 @@ def _generate(args) -> int:
     from .sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    refuse_sampling_settings_under_greedy(args.temperature, **{"--top-p": (args.top_p, 1.0), "--top-k": (args.top_k, 0),
+                                                               "--seed": (args.seed, None)})
     from .api import load_engine  # torch and transformers: after the checks that need neither (2.7-4.5 s here)
     from .types import format_histogram
 
@@ -487,6 +491,7 @@ def _bench(args) -> int:
         if args.threads is not None and args.threads < 1:
             raise DiffspecError(f"--threads must be >= 1, got {args.threads}")
         SamplingParams(temperature=args.temperature, seed=args.seed)
+        refuse_sampling_settings_under_greedy(args.temperature, **{"--seed": (args.seed, None)})
     import torch
 
     from .devices import check_device_available, parse_dtype

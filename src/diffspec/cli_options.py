@@ -55,6 +55,18 @@ def check_policy_values(options: dict) -> None:
             raise DiffspecError(f"--n-max must be >= --n: got N {n}, N_max {n_max}")
 
 
+def refuse_sampling_settings_under_greedy(temperature: float, **given) -> None:
+    """Settings that shape sampling only (--top-p, --top-k, --seed), refused by name under greedy decoding
+    (--temperature 0, the default), where they would be ignored. given: flag -> (value, its unset value)."""
+    if temperature != 0:
+        return
+    named = [flag for flag, (value, unset) in given.items() if value != unset]
+    if named:
+        raise DiffspecError(f"{', '.join(named)} only shape{'s' if len(named) == 1 else ''} sampling: under greedy "
+                            f"decoding (--temperature 0, the default) {'it' if len(named) == 1 else 'they'} would be "
+                            f"ignored; set --temperature above 0 to sample, or leave {'it' if len(named) == 1 else 'them'} out")
+
+
 def check_out_folder(out) -> None:
     """An --out that names a file is refused by name before anything writes into it (a folder, or nothing yet)."""
     path = Path(out).expanduser()

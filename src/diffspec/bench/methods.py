@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..defaults import FAILFAST_DEFAULTS
 from ..errors import DiffspecError
 from .runners import DFlashRefRunner, EngineRunner, HFRunner, LlamaCppPeerRunner, Runner
 
@@ -64,9 +65,9 @@ def _unit(name: str) -> Callable:
     return check
 
 
-_FAILFAST = (Param("tau", float, 0.45, "FailFast confidence threshold", check=_unit("tau")),
-             Param("n", int, 10, "FailFast window increment N", check=_at_least("n", 1)),
-             Param("n_max", int, 60, "FailFast maximum draft length", check=_at_least("n_max", 1)))
+_FAILFAST = (Param("tau", float, FAILFAST_DEFAULTS["tau"], "FailFast confidence threshold", check=_unit("tau")),
+             Param("n", int, FAILFAST_DEFAULTS["n"], "FailFast window increment N", check=_at_least("n", 1)),
+             Param("n_max", int, FAILFAST_DEFAULTS["n_max"], "FailFast maximum draft length", check=_at_least("n_max", 1)))
 
 
 def _engine_builder(drafter: Optional[str], policy: Optional[str], prefix: str = "",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..defaults import POLICY_SETTINGS
+from ..defaults import FAILFAST_DEFAULTS, POLICY_SETTINGS
 from ..errors import DiffspecError
 from .auto import AutoPolicy
 from .base import LengthPolicy
@@ -17,7 +17,8 @@ POLICY_NAMES = ("auto", "fixed", "failfast")
 # method parameters)
 
 
-def make_policy(name: str, gamma: Optional[int] = None, tau: float = 0.45, n: int = 10, n_max: int = 60,
+def make_policy(name: str, gamma: Optional[int] = None, tau: float = FAILFAST_DEFAULTS["tau"],
+                n: int = FAILFAST_DEFAULTS["n"], n_max: int = FAILFAST_DEFAULTS["n_max"],
                 recalibrate: bool = False, progress: bool = False) -> LengthPolicy:
     """gamma None = 8 (callers with a drafter pass the drafter's `default_gamma`). `recalibrate`: the
     auto policy measures this machine's costs again instead of reading its cache."""
