@@ -220,3 +220,35 @@ def test_train_drafter_refuses_a_corpus_beside_a_store(tmp_path):
     proc = cli("train-drafter", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "store"), "--corpus",
                str(tmp_path / "c.jsonl"), "--steps", "1")
     assert proc.returncode == 2 and "--corpus applies without --data" in proc.stderr, proc.stderr
+
+
+def test_a_system_message_with_no_place_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """`generate --model gemma3-270m --system x` loaded the model and timed this machine's costs (80 s) before
+    encode_prompt refused the system message. Now refused from the tokenizer alone, as encode_prompt words it."""
+    import json
+    import shutil
+
+    from diffspec import api
+
+    base = tmp_path / "base"  # the tiny model with its tokenizer's chat template taken out: a base model
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    loads = []
+
+    def load_engine(*a, **k):
+        loads.append(k)
+        raise DiffspecError("the engine would load here")
+
+    monkeypatch.setattr(api, "load_engine", load_engine)
+    for args, words in ((["--model", str(base)], f"model '{base}' has no chat template"),
+                        (["--model", str(tiny_model_dir), "--raw"], "the prompt goes in raw (--raw)")):
+        proc = cli("generate", "w1", "--system", "be brief", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert "a system message needs the chat template, but " + words in proc.stderr, proc.stderr
+    assert loads == []
+    # with a template the message is taken: the check lets it through to the engine
+    proc = cli("generate", "w1", "--system", "be brief", "--model", str(tiny_model_dir))
+    assert len(loads) == 1 and "the engine would load here" in proc.stderr, proc.stderr

@@ -28,8 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli_options import (check_drafter_spec, check_eval_drafter_spec, check_out_folder, policy_options,
-                          refuse_sampling_settings_under_greedy)
+from .cli_options import (check_drafter_spec, check_eval_drafter_spec, check_out_folder, check_system_message,
+                          policy_options, refuse_sampling_settings_under_greedy)
 from .errors import DiffspecError
 
 
@@ -450,6 +450,7 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     refuse_sampling_settings_under_greedy(args.temperature, **{"--top-p": (args.top_p, 1.0), "--top-k": (args.top_k, 0),
                                                                "--seed": (args.seed, None)})
+    check_system_message(args.model, args.system, chat=not args.raw)  # before the model loads and costs are timed
     from .api import load_engine  # torch and transformers: after the checks that need neither (2.7-4.5 s here)
     from .types import format_histogram
 

@@ -67,6 +67,33 @@ def refuse_sampling_settings_under_greedy(temperature: float, **given) -> None:
                             f"ignored; set --temperature above 0 to sample, or leave {'it' if len(named) == 1 else 'them'} out")
 
 
+def check_system_message(model: Optional[str], system: Optional[str], chat: bool) -> None:
+    """A system message where the prompt has no place for one (--raw, or a model whose tokenizer has no chat
+    template, e.g. Gemma 3 270M base) is refused as Target.encode_prompt refuses it, but from the tokenizer alone,
+    before the weights load and the auto policy times this machine (~80 s for Gemma 3 the first time). A hub id is
+    left to encode_prompt (reading its tokenizer would reach the network)."""
+    if not system:
+        return
+    if not chat:
+        raise DiffspecError("a system message needs the chat template, but the prompt goes in raw (--raw)")
+    from .defaults import DEFAULT_MODEL
+    from .models import gguf_file, gguf_text_side, resolve_model_path
+
+    gguf = gguf_file(model)
+    if gguf is not None:
+        tokenizer, _ = gguf_text_side(gguf, quiet=True)
+    else:
+        where = Path(resolve_model_path(model))
+        if not where.is_dir():
+            return
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+    if not getattr(tokenizer, "chat_template", None):
+        raise DiffspecError(f"a system message needs the chat template, but model '{model or DEFAULT_MODEL}' has no "
+                            "chat template")
+
+
 def check_out_folder(out) -> None:
     """An --out that names a file is refused by name before anything writes into it (a folder, or nothing yet)."""
     path = Path(out).expanduser()
