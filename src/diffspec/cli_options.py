@@ -74,9 +74,12 @@ def check_system_message(model: Optional[str], system: Optional[str], chat: bool
     left to encode_prompt (reading its tokenizer would reach the network)."""
     if not system:
         return
-    if not chat:
-        raise DiffspecError("a system message needs the chat template, but the prompt goes in raw (--raw)")
     from .defaults import DEFAULT_MODEL
+    from .errors import refuse_misplaced_system_message
+
+    name = model or DEFAULT_MODEL
+    if not chat:  # the tokenizer is not needed to say so
+        refuse_misplaced_system_message(None, chat, name, raw_flag=" (--raw)")
     from .models import gguf_file, gguf_text_side, resolve_model_path
 
     gguf = gguf_file(model)
@@ -89,9 +92,7 @@ def check_system_message(model: Optional[str], system: Optional[str], chat: bool
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(where))
-    if not getattr(tokenizer, "chat_template", None):
-        raise DiffspecError(f"a system message needs the chat template, but model '{model or DEFAULT_MODEL}' has no "
-                            "chat template")
+    refuse_misplaced_system_message(tokenizer, chat, name)
 
 
 def check_out_folder(out) -> None:

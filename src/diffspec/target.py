@@ -23,7 +23,7 @@ import torch
 
 from .cache import (cache_length, copy_fixed_cache, fixed_cache_capacity, fixed_capacity, new_cache,
                     new_fixed_cache, reserve_cache, set_fixed_length, truncate_cache)
-from .errors import DiffspecError
+from .errors import DiffspecError, refuse_misplaced_system_message
 from .llama_pass import LlamaPass, cache_applies, still_applies
 from .llama_pass import applies as llama_pass_applies
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
@@ -195,9 +195,8 @@ class TargetBase:
         if not isinstance(prompt, str) or not prompt.strip():
             raise DiffspecError("prompt is empty")
         tok = self._need_tokenizer()
-        if system and not (chat and getattr(tok, "chat_template", None)):
-            why = "the prompt goes in raw" if not chat else f"model '{self.name}' has no chat template"
-            raise DiffspecError(f"a system message needs the chat template, but {why}")
+        if system:
+            refuse_misplaced_system_message(tok, chat, self.name)
         if chat and getattr(tok, "chat_template", None):
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": prompt}]
