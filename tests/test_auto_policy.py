@@ -122,11 +122,25 @@ def test_a_burst_of_noise_does_not_make_one_draft_length_a_spike(target, monkeyp
             time.sleep(0.03)
         return forward(ids, *args, **kwargs)
 
+    def no_spike(row) -> bool:
+        """No k kept a burst reading: a pass of this tiny model takes ~1 ms (pooled with its neighbours by
+        non_decreasing, a 30 ms spike still lifts them to ~8). Against the k = 0 pass of the same table, so that
+        the whole suite's load (two workers and the gloo tests' processes on two cores), which slows every pass
+        alike, does not fail it."""
+        return max(row) < max(0.005, 2.5 * row[0])
+
     monkeypatch.setattr(target, "forward", slow_for_a_while)
     table = measure_verify_costs(target, ks=(0, 1, 2, 3, 4, 6, 8), contexts=(16,), reps=3)
-    row = table.verify_s[0]
-    assert max(row) < 0.005, row  # no k kept a burst reading (a pass of this tiny model: ~1 ms; pooled with its
-    #                                neighbours by non_decreasing, a 30 ms spike still lifts them to ~8)
+    assert no_spike(table.verify_s[0]), table.verify_s[0]
+
+    def slow_at_three(ids, *args, **kwargs):  # the check has power: a k every reading of which is slow
+        if ids.shape[0] == 4:
+            time.sleep(0.03)
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", slow_at_three)
+    spiked = measure_verify_costs(target, ks=(0, 1, 2, 3, 4, 6, 8), contexts=(16,), reps=3)
+    assert not no_spike(spiked.verify_s[0]), spiked.verify_s[0]
 
 
 def test_cost_cache_is_reused_and_keyed_by_model_and_machine(tiny_model, tokenizer, monkeypatch, tmp_path):

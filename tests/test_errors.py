@@ -252,3 +252,38 @@ def test_a_system_message_with_no_place_is_refused_before_the_model_loads(tiny_m
     # with a template the message is taken: the check lets it through to the engine
     proc = cli("generate", "w1", "--system", "be brief", "--model", str(tiny_model_dir))
     assert len(loads) == 1 and "the engine would load here" in proc.stderr, proc.stderr
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_refused_at_once_by_name(monkeypatch):
+    """Offline (or the hub unreachable), a hub id not in the Hugging Face cache took transformers' retries, ~30 s,
+    before its error; now one connection attempt decides, and the error names the model and why. A cached id never
+    touches the network; HF_HUB_OFFLINE refuses without trying."""
+    import socket
+    import time
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from diffspec import models
+
+    attempts = []
+
+    def unreachable(address, timeout=None):
+        attempts.append((address, timeout))
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    started = time.perf_counter()
+    result = cli("generate", "hi", "--model", "someone/not-a-model", "--max-new-tokens", "2")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "someone/not-a-model" in result.stderr and "cannot be reached" in result.stderr
+    assert "Network is unreachable" in result.stderr
+    assert time.perf_counter() - started < 10 and len(attempts) == 1 and attempts[0][1] <= 5
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DiffspecError, match="HF_HUB_OFFLINE"):
+        models.resolve_model_path("someone/not-a-model")
+    assert len(attempts) == 1  # not tried
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
+    assert models.resolve_model_path("someone/cached-model") == "someone/cached-model"  # cached: no network needed
+    assert len(attempts) == 1

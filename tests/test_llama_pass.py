@@ -198,3 +198,108 @@ def test_layer_outputs_read_as_transformers_hidden_states_and_gather_the_layers_
         got = hs.rows_of(layers, n)
         assert torch.equal(got, torch.cat([want[i + 1][0, :n] for i in layers], dim=-1))
     assert hs.rows_of((4,), 3) is None  # the last layer's entry is the final norm's output, not the buffer's
+
+
+# --- drafters' passes: their own masks, a cache of layers made on first use, no cache at all ---------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_drafters_masked_passes_equal_transformers_bitwise(dtype):
+    """The block-diffusion drafter's passes (a block-causal mask over committed blocks, then bidirectional
+    denoising steps rolled back) on cache.full_cache(), and the masked-diffusion drafter's (a bidirectional mask,
+    no cache, explicit positions): logits and hidden states bitwise transformers' own."""
+    from diffspec.cache import full_cache
+    from diffspec.drafters.denoising import block_causal_mask, full_mask
+
+    model = make_model(71, seed=3, dtype=dtype)
+    direct = LP.LlamaPass(model)
+    ids = torch.randint(3, 71, (64,), generator=torch.Generator().manual_seed(2))
+    theirs, ours = full_cache(), full_cache()
+    assert LP.cache_ready(ours, model.config.num_hidden_layers) and not theirs.layers  # ours made up front
+    B, pos = 4, 0
+    for n_commit in (8, 4, 12):  # commits of whole blocks (kept), each followed by two denoising steps (rolled back)
+        steps = [(ids[pos:pos + n_commit], block_causal_mask(n_commit, pos, B), True)]
+        steps += [(ids[pos + n_commit + j:pos + n_commit + j + B], full_mask(B, pos + n_commit + B), False)
+                  for j in (0, 1)]
+        for x, mask, commit in steps:
+            start = theirs.get_seq_length()
+            for keep in (0, 1, torch.tensor([0, 2])):
+                with torch.inference_mode():
+                    want = model(input_ids=x[None], attention_mask=mask, past_key_values=theirs, use_cache=True,
+                                 output_hidden_states=True, logits_to_keep=keep)
+                got = direct.forward(x[None], ours, attention_mask=mask, output_hidden_states=True,
+                                     logits_to_keep=keep)
+                assert same_bits(got.logits, want.logits), (n_commit, keep)
+                assert all(same_bits(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
+                for cache in (theirs, ours):
+                    truncate_cache(cache, start)
+            if commit:
+                with torch.inference_mode():
+                    model(input_ids=x[None], attention_mask=mask, past_key_values=theirs, use_cache=True)
+                direct.forward(x[None], ours, attention_mask=mask)
+        pos += n_commit
+    for a, b in zip(theirs.layers, ours.layers):
+        assert a.length == b.length and same_bits(a.keys, b.keys) and same_bits(a.values, b.values)
+    # no cache: a bidirectional pass at explicit positions (the masked-diffusion drafter's)
+    x, pos = ids[:20][None], torch.arange(30, 50)[None]
+    for keep in (0, torch.tensor([3, 7, 19])):
+        with torch.inference_mode():
+            want = model(input_ids=x, attention_mask=full_mask(20, 20), position_ids=pos, use_cache=False,
+                         logits_to_keep=keep)
+        got = direct.forward(x, None, use_cache=False, attention_mask=full_mask(20, 20), position_ids=pos,
+                             logits_to_keep=keep)
+        assert same_bits(got.logits, want.logits)
+
+
+def test_a_mask_of_the_wrong_shape_or_kind_is_refused_by_name():
+    model = make_model(70, seed=2)
+    direct = LP.LlamaPass(model)
+    x = torch.tensor([[5, 6, 7]])
+    for bad in (torch.ones(1, 1, 3, 4, dtype=torch.bool), torch.ones(1, 1, 3, 3), torch.ones(3, 3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="boolean attention mask of shape"):
+            direct.forward(x, new_cache(model.config), attention_mask=bad)
+
+
+@pytest.mark.parametrize("kind", ["block", "block-draft-vocab", "masked", "ar"])
+def test_drafters_take_the_direct_pass_with_measured_kernels_and_draft_the_same(kind, monkeypatch):
+    """Attached to a target with measured kernels, a Llama-bodied drafter runs its passes through the direct pass
+    (not transformers' forward), and drafts what it drafts through transformers (`--kernels stock`) bitwise: the
+    same tokens, the same q."""
+    from diffspec import AutoregressiveDrafter
+    from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, MaskedDiffusionConfig,
+                                   MaskedDiffusionDrafter)
+    from diffspec.policies import FixedPolicy
+    from diffspec.types import SamplingParams
+
+    V = 40
+
+    def drafter():
+        body = make_model(V + 1, seed=8, std=0.6)
+        if kind == "block":
+            return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2))
+        if kind == "block-draft-vocab":
+            return BlockDiffusionDrafter(body, BlockDiffusionConfig(mask_token_id=V, block_size=4, sub_block_size=2),
+                                         draft_token_ids=torch.arange(1, V, 2))
+        if kind == "masked":
+            return MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=V, steps=2))
+        return AutoregressiveDrafter(make_model(V, seed=9, layers=1, std=0.6))
+
+    drafts = {}
+    for kernels in ("auto", "stock"):
+        d = drafter()
+        d.attach(Target(make_model(V, seed=5, std=0.6), kernels=kernels))
+        assert (d._direct is not None) == (kernels == "auto")
+        calls = []
+        if d._direct is not None:
+            real = d._direct.forward
+            monkeypatch.setattr(d._direct, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+        out = []
+        for i, n in enumerate((9, 13, 14, 21)):
+            context = torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(i))
+            gen = torch.Generator().manual_seed(100 + i)
+            draft = d.propose(context, FixedPolicy(5), 5, SamplingParams(temperature=0.9), gen)
+            out.append((draft.tokens.tolist(), None if draft.probs is None else draft.probs.clone()))
+        assert (len(calls) > 0) == (kernels == "auto")
+        drafts[kernels] = out
+    for (tok_a, q_a), (tok_b, q_b) in zip(drafts["auto"], drafts["stock"]):
+        assert tok_a == tok_b
+        assert (q_a is None) == (q_b is None) and (q_a is None or same_bits(q_a, q_b))

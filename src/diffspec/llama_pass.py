@@ -130,6 +130,22 @@ def cache_applies(cache, num_layers: int) -> bool:
     return layers is not None and len(layers) == num_layers and all(type(l) is PositionalLayer for l in layers)
 
 
+def for_drafter(model: torch.nn.Module, target_kernels: str) -> Optional["LlamaPass"]:
+    """The direct pass for a drafter's Llama body (its own matmuls as its modules route them), where the target
+    runs measured kernels (`--kernels stock` keeps transformers' own code everywhere) and the pass computes what
+    `model(...)` would (`applies`); else None. Callers check `still_applies` on every pass, and `cache_applies`
+    (`cache_ready` for a cache whose layers are made as the first pass reaches them)."""
+    return LlamaPass(model) if target_kernels != "stock" and applies(model) else None
+
+
+def cache_ready(cache, num_layers: int) -> bool:
+    """`cache_applies`, after giving a cache of no layers yet whose layers would be position-indexed
+    (cache.full_cache) its layers up front."""
+    if not cache.layers and getattr(cache, "layer_class_to_replicate", None) is PositionalLayer:
+        cache.layers.extend(PositionalLayer() for _ in range(num_layers))
+    return cache_applies(cache, num_layers)
+
+
 def _stacked(packs) -> Optional[PackedWeight]:
     """One PackedWeight of the given packs' output rows stacked (all of one kind), or None."""
     if any(p is None for p in packs) or len({p.kind for p in packs}) != 1 \
@@ -220,9 +236,8 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     weight) in one call; other dtypes go through float32 as transformers does."""
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    dtype = x.dtype  # torch's rms_norm without a weight: the same operations on the float32 rows, in one call
+    h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, norm.variance_epsilon)
     return norm.weight * h.to(dtype)
 
 
@@ -270,24 +285,39 @@ class LlamaPass:
             self.fused = None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, past_key_values, use_cache: bool = True,
-                output_hidden_states: bool = False, logits_to_keep=0):
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,
+                output_hidden_states: bool = False, logits_to_keep=0, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None):
         """As `model(input_ids=..., past_key_values=..., use_cache=True, output_hidden_states=...,
-        logits_to_keep=...)`: .logits [1, kept rows, V] and .hidden_states (the embeddings, then each layer's
-        output, the last one normed) when asked."""
-        cache = past_key_values
-        n, start = input_ids.shape[1], cache.layers[0].get_seq_length()
+        logits_to_keep=..., attention_mask=..., position_ids=...)`: .logits [1, kept rows, V] and .hidden_states
+        (the embeddings, then each layer's output, the last one normed) when asked.
+
+        `attention_mask`: a boolean [1, 1, n, keys] mask (True: may attend), used as given, as transformers uses a
+        4-D mask (the diffusion drafters' block-causal and bidirectional masks); without one, causal.
+        `past_key_values=None` (or `use_cache=False`): no cache, the pass's own keys only (the masked-diffusion
+        drafter's passes), at `position_ids` where given ([1, n]; else the positions after the cache)."""
+        cache = past_key_values if use_cache else None
+        n = input_ids.shape[1]
+        start = cache.layers[0].get_seq_length() if cache is not None else 0
+        if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+                                           or tuple(attention_mask.shape) != (1, 1, n, start + n)):
+            raise ValueError(f"the direct pass takes a boolean attention mask of shape (1, 1, {n}, {start + n}), "
+                             f"got {attention_mask.dtype} {tuple(attention_mask.shape)}")
         h = F.embedding(input_ids, self.embed.weight, self.embed.padding_idx)
-        position_ids = torch.arange(start, start + n).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(start, start + n).unsqueeze(0)
         cos, sin = self.rotary(h, position_ids=position_ids)
         fused = self.fused.run(h[0], cos[0], sin[0], cache.layers, start, output_hidden_states) \
-            if self.fused is not None and input_ids.shape[0] == 1 else None
+            if (self.fused is not None and input_ids.shape[0] == 1 and attention_mask is None
+                and cache is not None) else None
         if fused is not None:
             last, outputs = fused
             hidden = LayerOutputs(h, outputs) if outputs is not None else None
             return self._head(last.unsqueeze(0), hidden, logits_to_keep)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if n == 1:
+        if attention_mask is not None:  # as given (transformers returns a 4-D mask as is)
+            mask, causal = attention_mask, False
+        elif n == 1:
             mask, causal = None, False
         elif start == 0:
             mask, causal = None, True
@@ -296,7 +326,7 @@ class LlamaPass:
             causal = False
         hidden = [h] if output_hidden_states else None
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        for layer, layer_cache in zip(self.layers, cache.layers):
+        for layer, layer_cache in zip(self.layers, cache.layers if cache is not None else [None] * len(self.layers)):
             qkv = layer.qkv(_rms_norm(h, layer.input_norm), n)
             if isinstance(qkv, torch.Tensor):  # one packed call: rotate queries and keys in one go
                 heads = qkv.view(1, n, H + 2 * KV, D).transpose(1, 2)
@@ -310,7 +340,7 @@ class LlamaPass:
                 v = v.view(1, n, KV, D).transpose(1, 2)
                 q = (q * cos) + (_rotate_half(q) * sin)
                 k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = layer_cache.update(k, v)
+            keys, values = layer_cache.update(k, v) if layer_cache is not None else (k, v)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=layer.scaling,
                                                is_causal=causal, enable_gqa=KV != H)
             o = o.transpose(1, 2).reshape(1, n, -1)  # a copy where transformers' .contiguous() makes one

@@ -196,7 +196,31 @@ def resolve_model_path(spec: Optional[str], quiet: bool = False) -> str:
     looks_like_path = spec.startswith((".", "/", "~")) or os.sep + os.sep in spec or spec.count("/") > 1
     if looks_like_path or path.exists():
         raise DiffspecError(f"model not found: {spec} (not a model folder or .gguf file)")
+    check_hub_id_reachable(spec)
     return spec  # a hub id: needs the internet (or a populated HF cache)
+
+
+def check_hub_id_reachable(spec: str, timeout_s: float = 3.0) -> None:
+    """A hub id that is neither in the Hugging Face cache nor fetchable is refused at once, by name: without a
+    network, transformers' downloads retry for ~30 s before failing (a typo in --model offline cost that much).
+    Cached ids pass without a network; otherwise one connection to the hub's host, under `timeout_s`, decides."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    builtin = ", ".join(sorted(BUILTIN_MODELS))
+    where = f"not a model folder, .gguf file or built-in model ({builtin}), and not in the Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        raise DiffspecError(f"model '{spec}': {where}; the hub is off (HF_HUB_OFFLINE is set)")
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise DiffspecError(f"model '{spec}': {where}; the hub ({host}) cannot be reached from here ({e})") from None
 
 
 @contextlib.contextmanager

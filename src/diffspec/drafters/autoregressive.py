@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
+from .. import llama_pass
 from ..cache import cache_length, common_prefix_length, earliest_length, new_cache, truncate_cache
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
+from .denoising import logits_of_rows
 
 
 class AutoregressiveDrafter(Drafter):
@@ -32,6 +34,7 @@ class AutoregressiveDrafter(Drafter):
         self.vocab_size: Optional[int] = None  # the target's, set by attach
         self._cache = new_cache(model.config)
         self._cached_ids: list = []  # the tokens whose keys/values are in _cache, in order
+        self._direct: Optional[llama_pass.LlamaPass] = None  # its passes without transformers' Python (attach)
 
     @classmethod
     def load(cls, spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "AutoregressiveDrafter":
@@ -43,6 +46,8 @@ class AutoregressiveDrafter(Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
+        kernels = getattr(target, "kernels", "stock")  # measured kernels: the direct Llama pass, bitwise the model's
+        self._direct = llama_pass.for_drafter(self.model, kernels) if self.device.type == "cpu" else None
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self._cache = new_cache(self.model.config)
@@ -52,7 +57,11 @@ class AutoregressiveDrafter(Drafter):
     def _forward(self, tokens: list) -> torch.Tensor:
         """Append tokens to the drafter cache; return the logits after the last one [V_target]."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, past_key_values=self._cache, use_cache=True).logits[0, -1]
+        if self._direct is not None and llama_pass.still_applies(self.model) \
+                and llama_pass.cache_applies(self._cache, self.model.config.num_hidden_layers):
+            logits = self._direct.forward(ids, self._cache, logits_to_keep=1).logits[0, -1]
+        else:  # the head on the last row only (a long prompt's other rows would cost [n, V] of logits)
+            logits = logits_of_rows(self.model, 1, input_ids=ids, past_key_values=self._cache, use_cache=True)[-1]
         self._cached_ids.extend(tokens)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .. import bf16_linear
+from .. import bf16_linear, llama_pass
 from ..cache import check_rollback, common_prefix_length, full_cache, reserve_cache, truncate_cache
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
@@ -44,6 +44,9 @@ from ..timing import median_ms
 from .compile_choice import CompilesPasses
 from .dtype_choice import ChoosesDtype
 from .denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, logits_of_rows, select_unmask
+
+
+_NO_ROWS = torch.zeros(0, dtype=torch.long)  # logits_to_keep for a pass whose head this drafter applies itself
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,16 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.vocab_size: Optional[int] = None
         self.compute_dtype: Optional[str] = None  # see dtype_choice.py
         self.dtype_note = ""
+        self._direct: Optional[llama_pass.LlamaPass] = None  # its eager passes without transformers' Python (attach)
         self.begin(None)
 
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
         self._target_kernels = getattr(target, "kernels", "stock")  # _use_dtype routes a bf16 body by it
+        # eager passes through the direct Llama pass (llama_pass.py: transformers' arithmetic, bitwise, in fewer
+        # calls) where the target runs measured kernels: the dtype and compile trials below time what will run
+        self._direct = llama_pass.for_drafter(self.model, self._target_kernels) if self.device.type == "cpu" else None
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
         # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
@@ -173,6 +180,17 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._passes += 1
         past = len(self._cached_ids)
         body = self._compiled_body(len(tokens) == self.config.block_size and past > 0)
+        direct = self._direct if body is None and self._direct is not None and llama_pass.still_applies(self.model) \
+            and llama_pass.cache_ready(self._cache, self.model.config.num_hidden_layers) else None
+        if direct is not None:  # the model's own logits (or last hidden state) bitwise, fewer calls
+            if self.draft_token_ids is None:
+                keep = rows if isinstance(rows, int) else torch.tensor(rows, dtype=torch.long)
+                logits = direct.forward(ids, self._cache, attention_mask=mask, logits_to_keep=keep).logits[0]
+                return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
+            hidden = direct.forward(ids, self._cache, attention_mask=mask, output_hidden_states=True,
+                                    logits_to_keep=_NO_ROWS).hidden_states[-1][0]
+            hidden = hidden[-rows:] if isinstance(rows, int) else hidden[torch.tensor(rows)]
+            return self._head_logits(hidden)
         if body is None and self.draft_token_ids is None:
             logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
                                     use_cache=True)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .. import llama_pass
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
@@ -51,10 +52,13 @@ class MaskedDiffusionDrafter(Drafter):
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.device = next(model.parameters()).device
         self.vocab_size: Optional[int] = None
+        self._direct: Optional[llama_pass.LlamaPass] = None  # its passes without transformers' Python (attach)
 
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
+        kernels = getattr(target, "kernels", "stock")  # measured kernels: the direct Llama pass, bitwise the model's
+        self._direct = llama_pass.for_drafter(self.model, kernels) if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def _logits(self, seq: list, first_position: int, rows: list) -> torch.Tensor:
@@ -63,7 +67,12 @@ class MaskedDiffusionDrafter(Drafter):
         ids = torch.tensor([seq], dtype=torch.long, device=self.device)
         pos = torch.arange(first_position, first_position + len(seq), device=self.device).unsqueeze(0)
         mask = full_mask(len(seq), len(seq), self.device)
-        logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        if self._direct is not None and llama_pass.still_applies(self.model):
+            logits = self._direct.forward(ids, None, use_cache=False, attention_mask=mask, position_ids=pos,
+                                          logits_to_keep=torch.tensor(rows, dtype=torch.long)).logits[0]
+        else:
+            logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, position_ids=pos,
+                                    use_cache=False)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
