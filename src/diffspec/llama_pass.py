@@ -130,12 +130,11 @@ def cache_applies(cache, num_layers: int) -> bool:
     return layers is not None and len(layers) == num_layers and all(type(l) is PositionalLayer for l in layers)
 
 
-def for_drafter(model: torch.nn.Module, target_kernels: str) -> Optional["LlamaPass"]:
+def for_drafter(model: torch.nn.Module, target) -> Optional["LlamaPass"]:
     """The direct pass for a drafter's Llama body (its own matmuls as its modules route them), where the target
     runs measured kernels (`--kernels stock` keeps transformers' own code everywhere) and the pass computes what
-    `model(...)` would (`applies`); else None. Callers check `still_applies` on every pass, and `cache_applies`
-    (`cache_ready` for a cache whose layers are made as the first pass reaches them)."""
-    return LlamaPass(model) if target_kernels != "stock" and applies(model) else None
+    `model(...)` would (`applies`: a CPU model among them); else None. Callers check `runs_on` on every pass."""
+    return LlamaPass(model) if getattr(target, "kernels", "stock") != "stock" and applies(model) else None
 
 
 def cache_ready(cache, num_layers: int) -> bool:
@@ -283,6 +282,15 @@ class LlamaPass:
             if fused and plan is not None else None
         if self.fused is not None and not self.fused.fits:
             self.fused = None
+
+    def runs_on(self, cache) -> bool:
+        """Whether a pass on `cache` (None: no cache) computes what the model would now: `still_applies`, and a
+        cache of position-indexed layers (`cache_ready` gives one of no layers yet its layers first)."""
+        return still_applies(self.model) and (cache is None or cache_ready(cache, len(self.layers)))
+
+    def __call__(self, **inputs):
+        """Called as the model is (`model(input_ids=..., ...)`), so callers that run either take either."""
+        return self.forward(**inputs)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True,

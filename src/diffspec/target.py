@@ -24,7 +24,7 @@ import torch
 from .cache import (cache_length, copy_fixed_cache, fixed_cache_capacity, fixed_capacity, new_cache,
                     new_fixed_cache, reserve_cache, set_fixed_length, truncate_cache)
 from .errors import DiffspecError, refuse_misplaced_system_message
-from .llama_pass import LlamaPass, cache_applies, still_applies
+from .llama_pass import LlamaPass
 from .llama_pass import applies as llama_pass_applies
 from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
@@ -394,8 +394,8 @@ class Target(TargetBase):
         try:
             if width is None:
                 run = self.model
-                if (self.direct_pass is not None and still_applies(self.model)  # (a fixed-capacity cache: not
-                        and cache_applies(self._cache, self.num_layers)):       # position-indexed layers)
+                if self.direct_pass is not None and self.direct_pass.runs_on(self._cache):  # (a fixed-capacity
+                    # cache: not position-indexed layers)
                     run = self.direct_pass.forward
                 out = run(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
                           use_cache=True, output_hidden_states=bool(hidden_layers) or screen,

@@ -46,8 +46,7 @@ class AutoregressiveDrafter(Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
-        kernels = getattr(target, "kernels", "stock")  # measured kernels: the direct Llama pass, bitwise the model's
-        self._direct = llama_pass.for_drafter(self.model, kernels) if self.device.type == "cpu" else None
+        self._direct = llama_pass.for_drafter(self.model, target)  # measured kernels: bitwise the model's, fewer calls
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self._cache = new_cache(self.model.config)
@@ -57,11 +56,9 @@ class AutoregressiveDrafter(Drafter):
     def _forward(self, tokens: list) -> torch.Tensor:
         """Append tokens to the drafter cache; return the logits after the last one [V_target]."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        if self._direct is not None and llama_pass.still_applies(self.model) \
-                and llama_pass.cache_applies(self._cache, self.model.config.num_hidden_layers):
-            logits = self._direct.forward(ids, self._cache, logits_to_keep=1).logits[0, -1]
-        else:  # the head on the last row only (a long prompt's other rows would cost [n, V] of logits)
-            logits = logits_of_rows(self.model, 1, input_ids=ids, past_key_values=self._cache, use_cache=True)[-1]
+        run = self._direct if self._direct is not None and self._direct.runs_on(self._cache) else self.model
+        # the head on the last row only (a long prompt's other rows would cost [n, V] of logits)
+        logits = logits_of_rows(run, 1, input_ids=ids, past_key_values=self._cache, use_cache=True)[-1]
         self._cached_ids.extend(tokens)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 

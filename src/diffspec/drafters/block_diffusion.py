@@ -93,7 +93,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._target_kernels = getattr(target, "kernels", "stock")  # _use_dtype routes a bf16 body by it
         # eager passes through the direct Llama pass (llama_pass.py: transformers' arithmetic, bitwise, in fewer
         # calls) where the target runs measured kernels: the dtype and compile trials below time what will run
-        self._direct = llama_pass.for_drafter(self.model, self._target_kernels) if self.device.type == "cpu" else None
+        self._direct = llama_pass.for_drafter(self.model, target)
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
         # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
@@ -180,27 +180,24 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._passes += 1
         past = len(self._cached_ids)
         body = self._compiled_body(len(tokens) == self.config.block_size and past > 0)
-        direct = self._direct if body is None and self._direct is not None and llama_pass.still_applies(self.model) \
-            and llama_pass.cache_ready(self._cache, self.model.config.num_hidden_layers) else None
-        if direct is not None:  # the model's own logits (or last hidden state) bitwise, fewer calls
-            if self.draft_token_ids is None:
-                keep = rows if isinstance(rows, int) else torch.tensor(rows, dtype=torch.long)
-                logits = direct.forward(ids, self._cache, attention_mask=mask, logits_to_keep=keep).logits[0]
-                return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
-            hidden = direct.forward(ids, self._cache, attention_mask=mask, output_hidden_states=True,
-                                    logits_to_keep=_NO_ROWS).hidden_states[-1][0]
-            hidden = hidden[-rows:] if isinstance(rows, int) else hidden[torch.tensor(rows)]
-            return self._head_logits(hidden)
+        # eager: the direct pass where it applies (the model's own logits or last hidden state, bitwise, fewer calls)
+        direct = self._direct if body is None and self._direct is not None and self._direct.runs_on(self._cache) \
+            else None
         if body is None and self.draft_token_ids is None:
-            logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+            run = direct if direct is not None else self.model
+            logits = logits_of_rows(run, rows, input_ids=ids, attention_mask=mask, past_key_values=self._cache,
                                     use_cache=True)
             return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
-        if body is None:
-            body = self.model.get_decoder()
-        else:  # room for the block made outside the graph: a cache growing inside it would be another graph
-            reserve_cache(self._cache, past + 2 * self.config.block_size)
-        hidden = body(input_ids=ids, attention_mask=mask, past_key_values=self._cache,
-                      use_cache=True).last_hidden_state[0]
+        if direct is not None:  # the body's normed last hidden state, no head
+            hidden = direct.forward(ids, self._cache, attention_mask=mask, output_hidden_states=True,
+                                    logits_to_keep=_NO_ROWS).hidden_states[-1][0]
+        else:
+            if body is None:
+                body = self.model.get_decoder()
+            else:  # room for the block made outside the graph: a cache growing inside it would be another graph
+                reserve_cache(self._cache, past + 2 * self.config.block_size)
+            hidden = body(input_ids=ids, attention_mask=mask, past_key_values=self._cache,
+                          use_cache=True).last_hidden_state[0]
         hidden = hidden[-rows:] if isinstance(rows, int) else hidden[torch.tensor(rows, device=hidden.device)]
         return self._head_logits(hidden)
 

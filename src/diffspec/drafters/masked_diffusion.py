@@ -57,8 +57,7 @@ class MaskedDiffusionDrafter(Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
-        kernels = getattr(target, "kernels", "stock")  # measured kernels: the direct Llama pass, bitwise the model's
-        self._direct = llama_pass.for_drafter(self.model, kernels) if self.device.type == "cpu" else None
+        self._direct = llama_pass.for_drafter(self.model, target)  # measured kernels: bitwise the model's, fewer calls
 
     @torch.inference_mode()
     def _logits(self, seq: list, first_position: int, rows: list) -> torch.Tensor:
@@ -67,12 +66,8 @@ class MaskedDiffusionDrafter(Drafter):
         ids = torch.tensor([seq], dtype=torch.long, device=self.device)
         pos = torch.arange(first_position, first_position + len(seq), device=self.device).unsqueeze(0)
         mask = full_mask(len(seq), len(seq), self.device)
-        if self._direct is not None and llama_pass.still_applies(self.model):
-            logits = self._direct.forward(ids, None, use_cache=False, attention_mask=mask, position_ids=pos,
-                                          logits_to_keep=torch.tensor(rows, dtype=torch.long)).logits[0]
-        else:
-            logits = logits_of_rows(self.model, rows, input_ids=ids, attention_mask=mask, position_ids=pos,
-                                    use_cache=False)
+        run = self._direct if self._direct is not None and self._direct.runs_on(None) else self.model
+        logits = logits_of_rows(run, rows, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return align_logits_to_vocab(logits, self.vocab_size or logits.shape[-1])
 
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
