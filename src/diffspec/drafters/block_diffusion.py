@@ -76,7 +76,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self.draft_token_ids = check_draft_token_ids(draft_token_ids, model, config.mask_token_id, name)
         self._kernels_for = None  # (model object, dtype) the measured matmul kernels were installed for
         self._target_kernels = "stock"  # the target's --kernels, read at attach
-        self._draft_head: Optional[tuple] = None  # (weight rows or the whole head, bias or None) in the model's dtype
+        self._draft_head: Optional[tuple] = None  # (weight rows or the whole head, bias or None, routed layer or None)
         self.name = name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.reuse_cache = reuse_cache
@@ -108,6 +108,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             if installed_for[1] == torch.bfloat16:  # the bf16 layers back to bf16_linear (see _use_dtype)
                 bf16_linear.install(self.model, rows=self.config.block_size)
             self._kernels_for = installed_for
+            self._draft_head = None  # made again, routed like the body (_head_logits)
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
@@ -151,6 +152,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
                 # a bf16 body's matmuls through bf16_linear's kernel (~2x oneDNN's at 1-16 rows on an AVX-512
                 # EPYC); routed here, so the dtype trial times bf16 as it would run
                 bf16_linear.install(self.model, rows=self.config.block_size)
+        if self._direct is not None and self._direct.model is not self.model:  # the dtype trial's copy, or the
+            self._direct = llama_pass.LlamaPass(self.model)  # original back: each runs through its own modules
         self._draft_head = None  # rebuilt in the new dtype
         self.begin(None)  # the cache is made in the model's dtype
 
@@ -208,14 +211,38 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             head = self.model.get_output_embeddings()
             bias = getattr(head, "bias", None)
             ids = self.draft_token_ids
-            self._draft_head = (head.weight, bias) if ids is None else \
-                (head.weight[ids].contiguous(), None if bias is None else bias[ids].contiguous())
-        weight, bias = self._draft_head
-        small = reduced_head(self.model, hidden, weight, bias)
+            if ids is None:
+                self._draft_head = (head.weight, bias, None)
+            else:
+                with torch.inference_mode(False):  # plain tensors: a pack of them checks their in-place version
+                    self._draft_head = self._draft_rows(head.weight.detach()[ids].contiguous(),
+                                                        None if bias is None else bias.detach()[ids].contiguous())
+        weight, bias, linear = self._draft_head
+        small = reduced_head(self.model, hidden, weight, bias, linear)
         width = self.vocab_size or self.model.config.vocab_size
         if self.draft_token_ids is None:
             return align_logits_to_vocab(small, width)
         return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
+
+    def _draft_rows(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+        """(weight, bias, its linear layer or None): the draft vocabulary's head rows, as a layer routed by the
+        measured matmul plan (kernels.py) where the body's layers are. F.linear asks MKL for x @ W^T, which an AMD
+        CPU runs 2-3x slower than mm(W, x^T) at 2-8 rows: SmolLM2's 8192 x 576 rows took 4.7-5.8 ms against
+        1.5-2.9 on Zen 1, a third of a denoising step."""
+        dtype = next(self.model.parameters()).dtype
+        if self._kernels_for != (self.model, dtype):
+            return weight, bias, None
+        from .. import kernels
+
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                                 dtype=weight.dtype).requires_grad_(False)
+        linear.weight.data, holder = weight, torch.nn.Sequential(linear)
+        if bias is not None:
+            linear.bias.data = bias
+        kernels.install(holder, kernels.plan_for_mode(holder, "auto", quiet=True))
+        if dtype == torch.bfloat16:
+            bf16_linear.install(holder, rows=self.config.block_size)
+        return weight, bias, linear
 
     def _commit(self, tokens: list) -> None:
         """Append whole blocks to the cache (block-causal among themselves); only the last row's
@@ -310,11 +337,13 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
                 f"{'shifted' if c.logit_shift else 'unshifted'}, {vocab}{self._dtype_text()}{self._compile_text()})")
 
 
-def reduced_head(model, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The output head's rows `weight` (and `bias`) applied to `hidden`, with the transform the model's
-    head applies after its matmul where that is a softcap (Gemma); in float32 at least (float64 stays). Any
-    other transform (e.g. Cohere's logit_scale) is caught by check_draft_token_ids, never silently left out."""
-    small = torch.nn.functional.linear(hidden, weight, bias)
+def reduced_head(model, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 linear: Optional[torch.nn.Linear] = None) -> torch.Tensor:
+    """The output head's rows `weight` (and `bias`) applied to `hidden` (through `linear`, a layer holding them,
+    where given), with the transform the model's head applies after its matmul where that is a softcap (Gemma); in
+    float32 at least (float64 stays). Any other transform (e.g. Cohere's logit_scale) is caught by
+    check_draft_token_ids, never silently left out."""
+    small = linear(hidden) if linear is not None else torch.nn.functional.linear(hidden, weight, bias)
     small = small.to(torch.promote_types(small.dtype, torch.float32))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:  # Gemma-style heads squash their logits
