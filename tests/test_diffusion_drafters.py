@@ -492,16 +492,16 @@ def test_block_drafter_auto_dtype_keeps_float64_and_falls_back_when_bf16_fails(t
 
 @pytest.mark.parametrize("draft_vocab", [True, False])
 @pytest.mark.parametrize("bf16_wins", [True, False])
-def test_block_drafter_auto_dtype_times_bfloat16_through_the_pass_of_the_model_it_times(tiny_model, tokenizer,
-                                                                                         monkeypatch, bf16_wins,
-                                                                                         draft_vocab):
+def test_block_drafter_auto_dtype_times_bfloat16_through_the_pass_of_the_model_it_times(tokenizer, monkeypatch,
+                                                                                         bf16_wins, draft_vocab):
     """A target with measured kernels gives the drafter the direct pass (llama_pass.for_drafter), made at attach for
     the float32 model. The dtype trial converts a copy; its bfloat16 step ran through the float32 model's pass on a
     bfloat16 cache ('expected m1 and m2 to have the same dtype'), so `auto` always settled on float32 with "bfloat16
     failed" (seen on SmolLM2's block drafter on an AVX2 EPYC). The trial now times each model through its own pass,
     really running both steps, and the drafter keeps the pass of the model it drafts with (before, where bfloat16
     won, it drafted through the float32 original's modules)."""
-    target = Target(tiny_model, tokenizer, name="tiny", kernels="auto")
+    model = make_model(len(tokenizer), seed=0)  # tiny_model's weights: a target with measured kernels routes its
+    target = Target(model, tokenizer, name="tiny", kernels="auto")  # layers, and tiny_model is shared by the session
     drafter = float32_block_drafter(tokenizer)
     if draft_vocab:  # its head applied by diffspec to the pass's hidden state, as SmolLM2's shipped block drafters
         drafter = BlockDiffusionDrafter(drafter.model, drafter.config, draft_token_ids=torch.arange(1, len(tokenizer), 2))
@@ -519,10 +519,10 @@ def test_block_drafter_auto_dtype_times_bfloat16_through_the_pass_of_the_model_i
     note = drafter.describe()
     assert "failed" not in note and "10.0" in note and ("5.0" if bf16_wins else "9.9") in note
     assert next(drafter.model.parameters()).dtype == (torch.bfloat16 if bf16_wins else torch.float32)
-    assert greedy_identical_drafted(engine, tiny_model) > 0
+    assert greedy_identical_drafted(engine, model) > 0
 
 
-def test_a_draft_vocabulary_head_runs_the_measured_plan_as_the_body_does(tiny_model, tokenizer, monkeypatch):
+def test_a_draft_vocabulary_head_runs_the_measured_plan_as_the_body_does(tokenizer, monkeypatch):
     """The draft vocabulary's head rows ran through F.linear, which asks MKL for x @ W^T: on an AMD CPU 2-3x slower
     than mm(W, x^T) at 2-8 rows (SmolLM2's 8192 x 576 rows: 4.7-5.8 against 1.5-2.9 ms on Zen 1, a third of a
     denoising step), while the body's layers ran the measured plan. The rows are now a layer of their own, routed by
@@ -536,15 +536,17 @@ def test_a_draft_vocabulary_head_runs_the_measured_plan_as_the_body_does(tiny_mo
     ids = torch.arange(1, len(tokenizer), 2)
     drafter = BlockDiffusionDrafter(dllm(len(tokenizer)), BlockDiffusionConfig(mask_token_id=len(tokenizer), block_size=8,
                                                                                sub_block_size=4), draft_token_ids=ids)
-    engine = SpeculativeEngine(Target(tiny_model, tokenizer, name="tiny", kernels="auto"), drafter, FixedPolicy(5))
+    model = make_model(len(tokenizer), seed=0)  # tiny_model's weights, routed here by the patched plan: not the
+    engine = SpeculativeEngine(Target(model, tokenizer, name="tiny", kernels="auto"), drafter, FixedPolicy(5))  # shared one
     real, head_calls = kernels.mm_linear, []
 
     def spy(x, weight, bias):
         head_calls.append(weight.shape[0] == ids.numel())
         return real(x, weight, bias)
     monkeypatch.setattr(kernels, "mm_linear", spy)
-    assert greedy_identical_drafted(engine, tiny_model) > 0
+    assert greedy_identical_drafted(engine, model) > 0
     assert any(head_calls)  # the head's rows went through mm(W, x^T)
+    assert "draft head routed" in drafter.cost_signature()  # draft costs cached before the routing are timed again
     weight, bias, linear = drafter._draft_head
     assert "forward" in linear.__dict__ and torch.equal(weight, drafter.model.lm_head.weight.detach()[ids])
     hidden = torch.randn(3, weight.shape[1], dtype=weight.dtype)

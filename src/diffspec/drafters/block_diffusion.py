@@ -108,13 +108,21 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             if installed_for[1] == torch.bfloat16:  # the bf16 layers back to bf16_linear (see _use_dtype)
                 bf16_linear.install(self.model, rows=self.config.block_size)
             self._kernels_for = installed_for
-            self._draft_head = None  # made again, routed like the body (_head_logits)
+            self._draft_head = None  # made again, routed like the body
+        self._make_draft_head()  # here, not in a request's first pass: routing it may time its plan (once a machine)
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
     def cost_signature(self) -> str:
         routed = any("bf16_packed" in m.__dict__ for m in self.model.modules())
-        return "bf16 kernel 1" if routed else ""  # its draft costs changed with the routing (ab7d108)
+        parts = ["bf16 kernel 1"] if routed else []  # its draft costs changed with the routing (ab7d108)
+        if self._head_routed():
+            parts.append("draft head routed 1")  # and with the draft head's (4e93fc7)
+        return ", ".join(parts)
+
+    def _head_routed(self) -> bool:
+        """Whether the draft vocabulary's head rows run the measured plan (`_draft_rows`)."""
+        return self.draft_token_ids is not None and self._kernels_for is not None
 
     def _compile_module(self) -> torch.nn.Module:
         return self.model.get_decoder()
@@ -126,7 +134,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def _compile_signature(self) -> str:
         vocab = "whole" if self.draft_token_ids is None else self.draft_token_ids.numel()
         kernels = "stock" if self._kernels_for is None else "measured"
-        return f"block {self.config.block_size}, draft vocabulary {vocab}, kernels {kernels}"
+        head = ", draft head measured" if self._head_routed() else ""  # the eager side got faster with it
+        return f"block {self.config.block_size}, draft vocabulary {vocab}, kernels {kernels}{head}"
 
     def _compile_refusal(self) -> Optional[str]:
         """A compiled pass runs the body only, the head applied by `reduced_head`: refused for a model whose
@@ -207,6 +216,16 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head on the body's rows `hidden`: with a draft vocabulary its rows for those tokens
         only (-> [rows, vocab] with -inf outside it), else the whole head (-> [rows, vocab])."""
+        weight, bias, linear = self._make_draft_head()
+        small = reduced_head(self.model, hidden, weight, bias, linear)
+        width = self.vocab_size or self.model.config.vocab_size
+        if self.draft_token_ids is None:
+            return align_logits_to_vocab(small, width)
+        return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
+
+    def _make_draft_head(self) -> tuple:
+        """`_draft_head`, made where it is None: (the head's weight or its rows for the draft vocabulary, bias or None,
+        the rows' routed layer or None)."""
         if self._draft_head is None:
             head = self.model.get_output_embeddings()
             bias = getattr(head, "bias", None)
@@ -217,12 +236,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
                 with torch.inference_mode(False):  # plain tensors: a pack of them checks their in-place version
                     self._draft_head = self._draft_rows(head.weight.detach()[ids].contiguous(),
                                                         None if bias is None else bias.detach()[ids].contiguous())
-        weight, bias, linear = self._draft_head
-        small = reduced_head(self.model, hidden, weight, bias, linear)
-        width = self.vocab_size or self.model.config.vocab_size
-        if self.draft_token_ids is None:
-            return align_logits_to_vocab(small, width)
-        return small.new_full((small.shape[0], width), float("-inf")).index_copy_(1, self.draft_token_ids, small)
+        return self._draft_head
 
     def _draft_rows(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
         """(weight, bias, its linear layer or None): the draft vocabulary's head rows, as a layer routed by the
@@ -234,8 +248,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             return weight, bias, None
         from .. import kernels
 
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                                 dtype=weight.dtype).requires_grad_(False)
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0], bias=bias is not None,
+                                          device=weight.device, dtype=weight.dtype).requires_grad_(False)
         linear.weight.data, holder = weight, torch.nn.Sequential(linear)
         if bias is not None:
             linear.bias.data = bias
