@@ -81,15 +81,16 @@ def test_a_bf16_block_drafter_runs_its_layers_through_the_kernel_and_stays_lossl
     """The block-diffusion drafter in bf16 on a target with measured kernels routes its linear layers through
     the kernel (the dtype trial included); a layer whose weight changed falls back to F.linear; greedy output
     stays the target's."""
-    from conftest import reference_greedy
+    from conftest import make_model, reference_greedy
     from test_diffusion_drafters import dllm
     from diffspec import FixedPolicy, SpeculativeEngine, Target
     from diffspec.drafters import BlockDiffusionConfig, BlockDiffusionDrafter
 
     monkeypatch.setenv("DIFFSPEC_COST_CACHE", str(tmp_path))
     monkeypatch.setattr(B, "faster_here", lambda weights, rows: True)  # its timing: the test below
-    target = Target(tiny_model, kernels="auto")
-    vocab = tiny_model.config.vocab_size
+    model = make_model(tiny_model.config.vocab_size, seed=0)  # tiny_model's weights: a target with measured kernels
+    target = Target(model, kernels="auto")  # routes the layers of the model it is given, and tiny_model is the session's
+    vocab = model.config.vocab_size
     drafter = BlockDiffusionDrafter(dllm(vocab), BlockDiffusionConfig(mask_token_id=vocab, block_size=4, sub_block_size=2))
     drafter.compute_dtype = "bfloat16"
     calls = []
@@ -101,7 +102,7 @@ def test_a_bf16_block_drafter_runs_its_layers_through_the_kernel_and_stays_lossl
     for prompt in ([5, 6, 7, 8, 9, 10], [30, 31, 30, 31]):
         calls.clear()
         out = engine.generate(prompt, max_new_tokens=20, stop_token_ids=[])
-        assert out.token_ids == reference_greedy(tiny_model, prompt, 20, stop_ids=())
+        assert out.token_ids == reference_greedy(model, prompt, 20, stop_ids=())
         assert calls  # the drafter's passes ran the kernel
     x = torch.randn(3, layer.in_features).bfloat16()
     assert torch.equal(layer(x), B.linear(x, layer.bf16_packed[0]))
