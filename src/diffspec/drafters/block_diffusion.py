@@ -109,7 +109,8 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
                 bf16_linear.install(self.model, rows=self.config.block_size)
             self._kernels_for = installed_for
             self._draft_head = None  # made again, routed like the body
-        self._make_draft_head()  # here, not in a request's first pass: routing it may time its plan (once a machine)
+        if self.draft_token_ids is not None:  # here, not in a request's first pass: routing its rows may time their
+            self._make_draft_head()  # plan (once a machine); a whole head is the model's own (made where first used)
         self._settle_compile(target)
 
     # --- compiled passes (compile_choice.py) --------------------------------------------
