@@ -394,8 +394,8 @@ class Target(TargetBase):
         try:
             if width is None:
                 run = self.model
-                if self.direct_pass is not None and self.direct_pass.runs_on(self._cache):  # (a fixed-capacity
-                    # cache: not position-indexed layers)
+                # (runs_on is false on a fixed-capacity cache: its layers are not position-indexed)
+                if self.direct_pass is not None and self.direct_pass.runs_on(self._cache):
                     run = self.direct_pass.forward
                 out = run(input_ids=tokens.view(1, n).to(self.device), past_key_values=self._cache,
                           use_cache=True, output_hidden_states=bool(hidden_layers) or screen,

@@ -122,8 +122,10 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         return ", ".join(parts)
 
     def _head_routed(self) -> bool:
-        """Whether the draft vocabulary's head rows run the measured plan (`_draft_rows`)."""
-        return self.draft_token_ids is not None and self._kernels_for is not None
+        """Whether the draft vocabulary's head rows run the measured plan (`_draft_rows`): the body's kernels are
+        installed for the model and dtype it has now."""
+        return self.draft_token_ids is not None and \
+            self._kernels_for == (self.model, next(self.model.parameters()).dtype)
 
     def _compile_module(self) -> torch.nn.Module:
         return self.model.get_decoder()
@@ -244,8 +246,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         measured matmul plan (kernels.py) where the body's layers are. F.linear asks MKL for x @ W^T, which an AMD
         CPU runs 2-3x slower than mm(W, x^T) at 2-8 rows: SmolLM2's 8192 x 576 rows took 4.7-5.8 ms against
         1.5-2.9 on Zen 1, a third of a denoising step."""
-        dtype = next(self.model.parameters()).dtype
-        if self._kernels_for != (self.model, dtype):
+        if not self._head_routed():
             return weight, bias, None
         from .. import kernels
 
@@ -255,7 +256,7 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if bias is not None:
             linear.bias.data = bias
         kernels.install(holder, kernels.plan_for_mode(holder, "auto", quiet=True))
-        if dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16:
             bf16_linear.install(holder, rows=self.config.block_size)
         return weight, bias, linear
 
