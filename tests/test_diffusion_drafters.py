@@ -553,6 +553,43 @@ def test_a_draft_vocabulary_head_runs_the_measured_plan_as_the_body_does(tokeniz
     assert torch.allclose(linear(hidden), torch.nn.functional.linear(hidden, weight), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("bf16_wins", [False, True])
+def test_the_dtype_trial_times_each_dtype_with_the_kernels_it_would_draft_with(tokenizer, monkeypatch, bf16_wins):
+    """The `auto` dtype trial timed the float32 step before the measured matmul plan (kernels.py) was installed:
+    body and draft head through F.linear, which on an AMD CPU is 2-3x slower than the plan at a block's rows, while
+    the bfloat16 candidate was timed through bf16_linear. So where the two dtypes are close it could keep bfloat16
+    where the routed float32 body would win. Now each candidate is timed as it would draft: every linear layer of the
+    model being timed routed for that model and dtype, the draft head's rows included."""
+    from diffspec import kernels
+    from diffspec.packed_linear import linear_groups
+
+    every = frozenset(kernels.ROW_BUCKETS)  # a plan that routes every shape through mm(W, x^T)
+    monkeypatch.setattr(kernels, "plan_for_mode",
+                        lambda model, mode, quiet=False: kernels.LinearPlan(mm_rows={s: every for s in linear_groups(model)}))
+    ids = torch.arange(1, len(tokenizer), 2)
+    drafter = BlockDiffusionDrafter(dllm(len(tokenizer)).to(torch.float32), BlockDiffusionConfig(
+        mask_token_id=len(tokenizer), block_size=8, sub_block_size=4), draft_token_ids=ids)
+    real, timed_as = BlockDiffusionDrafter._time_step, []
+
+    def timed(self, *a, **k):
+        real(self, *a, **k)
+        dtype = next(self.model.parameters()).dtype
+        layers = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        head = self._draft_head
+        timed_as.append((dtype, all("forward" in m.__dict__ and m.forward.__self__ is m for m in layers),
+                         head is not None and head[2] is not None and head[0].dtype == dtype))
+        return (5.0 if bf16_wins else 9.9) if dtype == torch.bfloat16 else 10.0
+    monkeypatch.setattr(BlockDiffusionDrafter, "_time_step", timed)
+    drafter.compute_dtype = "auto"
+    model = make_model(len(tokenizer), seed=0)  # tiny_model's weights, routed here by the patched plan
+    engine = SpeculativeEngine(Target(model, tokenizer, name="tiny", kernels="auto"), drafter, FixedPolicy(5))
+    assert [t[0] for t in timed_as] == [torch.float32, torch.bfloat16]
+    assert timed_as == [(torch.float32, True, True), (torch.bfloat16, True, True)]  # each body and head routed
+    kept = torch.bfloat16 if bf16_wins else torch.float32
+    assert next(drafter.model.parameters()).dtype == kept and drafter._head_routed()
+    assert greedy_identical_drafted(engine, model) > 0
+
+
 def test_block_drafter_auto_dtype_really_times_a_step_and_leaves_no_state(target, tiny_model, tokenizer):
     drafter = float32_block_drafter(tokenizer)
     drafter.compute_dtype = "auto"

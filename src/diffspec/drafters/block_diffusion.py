@@ -90,25 +90,13 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def attach(self, target) -> None:
         super().attach(target)
         self.vocab_size = target.vocab_size
-        self._target_kernels = getattr(target, "kernels", "stock")  # _use_dtype routes a bf16 body by it
+        self._target_kernels = getattr(target, "kernels", "stock")  # _install_kernels routes the body by it
         # eager passes through the direct Llama pass (llama_pass.py: transformers' arithmetic, bitwise, in fewer
         # calls) where the target runs measured kernels: the dtype and compile trials below time what will run
         self._direct = llama_pass.for_drafter(self.model, target)
+        self._install_kernels()  # before the dtype trial: it times each dtype with the kernels it would draft with
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
-        # the measured matmul kernels (its own shapes and dtype; a drafter's numerics never touch the output),
-        # installed once per model object and dtype: a compiled graph traced through them stays valid on a
-        # re-attach
-        installed_for = (self.model, next(self.model.parameters()).dtype)
-        if getattr(target, "kernels", "stock") != "stock" and self.device.type == "cpu" \
-                and self._kernels_for != installed_for:
-            from .. import kernels
-
-            kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
-            if installed_for[1] == torch.bfloat16:  # the bf16 layers back to bf16_linear (see _use_dtype)
-                bf16_linear.install(self.model, rows=self.config.block_size)
-            self._kernels_for = installed_for
-            self._draft_head = None  # made again, routed like the body
         if self.draft_token_ids is not None:  # here, not in a request's first pass: routing its rows may time their
             self._make_draft_head()  # plan (once a machine); a whole head is the model's own (made where first used)
         self._settle_compile(target)
@@ -160,14 +148,28 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
             for name, buf in rotary.items():
                 owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
                 setattr(self.model.get_submodule(owner), attr, buf)
-            if dtype == torch.bfloat16 and self.device.type == "cpu" and self._target_kernels != "stock":
-                # a bf16 body's matmuls through bf16_linear's kernel (~2x oneDNN's at 1-16 rows on an AVX-512
-                # EPYC); routed here, so the dtype trial times bf16 as it would run
-                bf16_linear.install(self.model, rows=self.config.block_size)
         if self._direct is not None and self._direct.model is not self.model:  # the dtype trial's copy, or the
             self._direct = llama_pass.LlamaPass(self.model)  # original back: each runs through its own modules
         self._draft_head = None  # rebuilt in the new dtype
+        self._install_kernels()  # here, so the dtype trial times each dtype with the kernels it would draft with
         self.begin(None)  # the cache is made in the model's dtype
+
+    def _install_kernels(self) -> None:
+        """The measured matmul kernels (kernels.py: its own shapes and dtype; a drafter's numerics never touch the
+        output) where the target runs measured kernels on a CPU, and a bf16 body's layers then through bf16_linear
+        (~2x oneDNN's at 1-16 rows on an AVX-512 EPYC). Installed once per model object and dtype: a compiled graph
+        traced through them stays valid on a re-attach. A deep copy of a routed model (the dtype trial's) carries
+        forwards bound to itself, and is routed again here for its dtype."""
+        installed_for = (self.model, next(self.model.parameters()).dtype)
+        if self._target_kernels == "stock" or self.device.type != "cpu" or self._kernels_for == installed_for:
+            return
+        from .. import kernels
+
+        kernels.install(self.model, kernels.plan_for_mode(self.model, "auto", quiet=True))
+        if installed_for[1] == torch.bfloat16:
+            bf16_linear.install(self.model, rows=self.config.block_size)
+        self._kernels_for = installed_for
+        self._draft_head = None  # made again, routed like the body
 
     def _time_step(self, context_len: int = 64, repeats: int = 5) -> float:
         """Median milliseconds of one denoising step (a block on about `context_len` cached positions)."""
