@@ -268,3 +268,33 @@ def assert_engine_samples_the_targets_distribution(target: Target) -> None:
     engine = SpeculativeEngine(target, RandomDrafter(V, seed=3), make_policy("fixed", gamma=2))
     counts = sample_counts(engine, params, 2500)
     assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+@pytest.mark.parametrize("isa", ["native", *sorted(ISAS)])
+def test_vector_exp_and_silu_are_the_scalar_codes_values_bitwise(isa):
+    """Softmax's exponentials and SiLU run vector code (GCC did not vectorize exp_poly's loops: its clamps are control
+    flow to it, and SiLU ran one value at a time, ~2/3 of a 64-row pass's work outside the products and attention on
+    Zen 1). Each lane must be exactly exp_poly's value, on every build: else a row's logits would depend on whether
+    it sat in a vector or in the tail, and on the CPU. Values across the clamps, at them, zeros, subnormals, huge,
+    infinite and NaN; lengths that leave a tail."""
+    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 on this CPU")
+    lib = FL.build_library(FL.NATIVE if isa == "native" else ISAS[isa])
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 87.0, -87.0, 88.0, -88.0, 87.5, -87.5, 88.7, -103.0,
+                            89.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan"), 0.5, -0.5, 0.3466, 12.0])
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([special, torch.randn(4000, generator=g) * 8, torch.rand(1000, generator=g) * 200 - 100])
+    for n in (x.numel(), x.numel() - 3, 7, 1):
+        xs, up = x[:n].contiguous(), (torch.randn(n, generator=g) * 3).contiguous()
+        outs = [torch.empty(n) for _ in range(4)]
+        lib.diffspec_fused_elementwise_check(xs.data_ptr(), up.data_ptr(), n, *(o.data_ptr() for o in outs))
+        exp_pass, exp_scalar, silu_pass, silu_scalar = (o.view(torch.int32) for o in outs)  # bits, NaNs included
+        assert torch.equal(exp_pass, exp_scalar)
+        assert torch.equal(silu_pass, silu_scalar)
+        if n == x.numel():  # and they are the exponential and SiLU they say (to float32 rounding, ~1 ulp)
+            ok = torch.isfinite(xs) & (xs.abs() < 80)
+            assert torch.allclose(outs[1][ok], torch.exp(xs[ok]), rtol=4e-7, atol=0)
+            assert torch.allclose(outs[3][ok], torch.nn.functional.silu(xs[ok]) * up[ok], rtol=1e-6, atol=1e-30)
+            at = {v: i for i, v in enumerate(special.tolist()) if v == v}
+            assert torch.isnan(outs[1][18]) and outs[1][at[float("-inf")]] == outs[1][at[-87.0]] > 0  # clamped
+            assert outs[1][at[float("inf")]] == outs[1][at[88.0]] < float("inf")

@@ -114,9 +114,90 @@ INLINE vec vmul(vec a, vec b) { return a * b; }
 INLINE void vstore(float *p, vec a) { *p = a; }
 #endif
 
+/* exp_poly on a vector: lane by lane the very operations of exp_poly above (the clamps as min/max, which keep a NaN
+ * as its ternaries do; rintf as rounding to nearest even; the same multiplies and adds in the same order, none
+ * fused), so every lane is bitwise exp_poly of it. GCC does not vectorize exp_poly's loops itself (its clamps are
+ * control flow to it): SiLU and softmax ran one value at a time. */
+#if defined(__AVX512F__)
+INLINE vec vexp_poly(vec x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
+    const vec k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+    vec p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+INLINE vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+INLINE vec vneg(vec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+#elif defined(__AVX2__) && defined(__FMA__)
+INLINE vec vexp_poly(vec x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
+    const vec k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+    vec p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+INLINE vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+INLINE vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+#else
+INLINE vec vexp_poly(vec x) { return exp_poly(x); }
+INLINE vec vdiv(vec a, vec b) { return a / b; }
+INLINE vec vsub(vec a, vec b) { return a - b; }
+INLINE vec vneg(vec a) { return -a; }
+#endif
+
+/* a[j] = (gate[j] / (1 + exp_poly(-gate[j]))) * up[j]: SiLU(gate) times up, each value as the scalar loop computes it */
+INLINE void silu_times(const float *restrict gate, const float *restrict up, float *restrict a, int64_t F) {
+    const vec one = vset1(1.0f);
+    int64_t j = 0;
+    for (; j + LANES <= F; j += LANES) {
+        const vec x = vload(gate + j);
+        vstore(a + j, vmul(vdiv(x, vadd(one, vexp_poly(vneg(x)))), vload(up + j)));
+    }
+    for (; j < F; j++) {
+        const float x = gate[j];
+        a[j] = (x / (1.0f + exp_poly(-x))) * up[j];
+    }
+}
+
+/* For the tests: exp_poly and SiLU-times-up over n values as the pass computes them (the vector code where whole
+ * vectors fit, the scalar code on the tail: softmax_weights' and silu_times' loops) beside the scalar code on
+ * every value; every pair must agree bitwise on every build. */
+void diffspec_fused_elementwise_check(const float *x, const float *up, int64_t n, float *exp_pass, float *exp_scalar,
+                                      float *silu_pass, float *silu_scalar) {
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) vstore(exp_pass + j, vexp_poly(vload(x + j)));
+    for (; j < n; j++) exp_pass[j] = exp_poly(x[j]);
+    for (j = 0; j < n; j++) exp_scalar[j] = exp_poly(x[j]);
+    silu_times(x, up, silu_pass, n);
+    for (j = 0; j < n; j++) silu_scalar[j] = (x[j] / (1.0f + exp_poly(-x[j]))) * up[j];
+}
+
 /* softmax over scores[0 .. last] in place (shifted by the max): returns 1 / the sum of the exponentials */
 INLINE float softmax_weights(float *restrict scores, int64_t last, float top) {
-    for (int64_t p = 0; p <= last; p++) scores[p] = exp_poly(scores[p] - top);
+    const vec vtop = vset1(top);
+    int64_t p = 0;
+    for (; p + LANES <= last + 1; p += LANES) vstore(scores + p, vexp_poly(vsub(vload(scores + p), vtop)));
+    for (; p <= last; p++) scores[p] = exp_poly(scores[p] - top);
     return 1.0f / sum_of(scores, last + 1);
 }
 
@@ -126,10 +207,29 @@ INLINE float softmax_weights(float *restrict scores, int64_t last, float top) {
 INLINE void attend_vectors(const int NV, const float *restrict q, const float *restrict keys,
                            const float *restrict values, int64_t last, float scale, float *restrict scores,
                            float *restrict out) {
-    vec qv[NV], o[NV];
+    vec qv[16], o[16];  /* (sized by the widest NV, not NV: an array of runtime size stayed in memory) */
     for (int c = 0; c < NV; c++) qv[c] = vload(q + c * LANES);
     float top = -INFINITY;
-    for (int64_t p = 0; p <= last; p++) {
+    int64_t p = 0;
+    for (; p + 4 <= last + 1; p += 4) {  /* four positions side by side: four independent chains, each score the same */
+        const float *restrict k = keys + p * NV * LANES;
+        const int64_t w = NV * LANES;
+        vec a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k + w));
+        vec a2 = vmul(qv[0], vload(k + 2 * w)), a3 = vmul(qv[0], vload(k + 3 * w));
+        for (int c = 1; c < NV; c++) {
+            a0 = vfma(qv[c], vload(k + c * LANES), a0);
+            a1 = vfma(qv[c], vload(k + w + c * LANES), a1);
+            a2 = vfma(qv[c], vload(k + 2 * w + c * LANES), a2);
+            a3 = vfma(qv[c], vload(k + 3 * w + c * LANES), a3);
+        }
+        const float s0 = vsum(a0) * scale, s1 = vsum(a1) * scale, s2 = vsum(a2) * scale, s3 = vsum(a3) * scale;
+        scores[p] = s0, scores[p + 1] = s1, scores[p + 2] = s2, scores[p + 3] = s3;
+        top = s0 > top ? s0 : top;
+        top = s1 > top ? s1 : top;
+        top = s2 > top ? s2 : top;
+        top = s3 > top ? s3 : top;
+    }
+    for (; p <= last; p++) {
         const float *restrict k = keys + p * NV * LANES;
         vec acc = vmul(qv[0], vload(k));
         for (int c = 1; c < NV; c++) acc = vfma(qv[c], vload(k + c * LANES), acc);
@@ -139,7 +239,7 @@ INLINE void attend_vectors(const int NV, const float *restrict q, const float *r
     }
     const float inv = softmax_weights(scores, last, top);
     for (int c = 0; c < NV; c++) o[c] = vzero();
-    for (int64_t p = 0; p <= last; p++) {
+    for (p = 0; p <= last; p++) {
         const vec w = vset1(scores[p]);
         const float *restrict v = values + p * NV * LANES;
         for (int c = 0; c < NV; c++) o[c] = vfma(w, vload(v + c * LANES), o[c]);
@@ -245,15 +345,7 @@ void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t s
         for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[POST_NORM], D, eps, xn + i * D);
         linear(xn, n, D, (const void *)t[GU_CODES], (const float *)t[GU_SCALES], (const float *)t[GU_OFFSETS], 2 * F,
                gu, threads, xq);
-        for (int64_t i = 0; i < n; i++) {
-            const float *gate = gu + i * 2 * F, *up = gate + F;
-            float *a = act + i * F;
-#pragma omp simd
-            for (int64_t j = 0; j < F; j++) {
-                const float x = gate[j];
-                a[j] = (x / (1.0f + exp_poly(-x))) * up[j];
-            }
-        }
+        for (int64_t i = 0; i < n; i++) silu_times(gu + i * 2 * F, gu + i * 2 * F + F, act + i * F, F);
         linear(act, n, F, (const void *)t[DOWN_CODES], (const float *)t[DOWN_SCALES], (const float *)t[DOWN_OFFSETS],
                D, xn, threads, xq);
         for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];

@@ -59,6 +59,8 @@ def build_library(isa_flags: tuple):
                                           ctypes.c_int]
     lib.diffspec_batch_attend.restype = None
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
+    lib.diffspec_fused_elementwise_check.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.diffspec_fused_elementwise_check.restype = None
     if (lib.diffspec_fused_layer_fields(), lib.diffspec_fused_max_head_dim()) != (FIELDS, MAX_HEAD_DIM):
         return KernelUnavailable(f"{SOURCE.name} and fused_layers.py disagree on the table's fields or the widest head")
     return lib
