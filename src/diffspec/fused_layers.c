@@ -115,14 +115,14 @@ INLINE void vstore(float *p, vec a) { *p = a; }
 #endif
 
 /* exp_poly on a vector: lane by lane the very operations of exp_poly above (the clamps as min/max, which keep a NaN
- * as its ternaries do; rintf as rounding to nearest even; the same multiplies and adds in the same order, none
+ * as its ternaries do; rintf as rounding in the current mode, as rintf does; the same multiplies and adds in the same order, none
  * fused), so every lane is bitwise exp_poly of it. GCC does not vectorize exp_poly's loops itself (its clamps are
  * control flow to it): SiLU and softmax ran one value at a time. */
 #if defined(__AVX512F__)
 INLINE vec vexp_poly(vec x) {
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
     const vec k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                       _MM_FROUND_CUR_DIRECTION);
     vec r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
     r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
     vec p = _mm512_set1_ps(1.9875691500e-4f);
@@ -142,7 +142,7 @@ INLINE vec vneg(vec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_cast
 INLINE vec vexp_poly(vec x) {
     x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
     const vec k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                  _MM_FROUND_CUR_DIRECTION);
     vec r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
     vec p = _mm256_set1_ps(1.9875691500e-4f);

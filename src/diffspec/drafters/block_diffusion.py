@@ -94,9 +94,11 @@ class BlockDiffusionDrafter(CompilesPasses, ChoosesDtype, Drafter):
         # eager passes through the direct Llama pass (llama_pass.py: transformers' arithmetic, bitwise, in fewer
         # calls) where the target runs measured kernels: the dtype and compile trials below time what will run
         self._direct = llama_pass.for_drafter(self.model, target)
-        self._install_kernels()  # before the dtype trial: it times each dtype with the kernels it would draft with
+        if self.compute_dtype == "auto":  # before the trial: it times each dtype with the kernels it would draft with
+            self._install_kernels()  # (an explicit dtype is converted first, then routed: one plan, not two)
         with self._eager():  # both dtypes timed alike
             self._settle_dtype()
+        self._install_kernels()  # (done already where _use_dtype ran; not where the dtype stays as loaded)
         if self.draft_token_ids is not None:  # here, not in a request's first pass: routing its rows may time their
             self._make_draft_head()  # plan (once a machine); a whole head is the model's own (made where first used)
         self._settle_compile(target)
