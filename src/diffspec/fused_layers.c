@@ -99,71 +99,65 @@ INLINE void rotate(float *x, const float *cos, const float *sin, int64_t hd) {
     }
 }
 
-/* A few more vector operations beside packed_linear.c's (same widths). */
+/* A few more vector operations beside packed_linear.c's (same widths). vclamp_exp is exp_poly's clamps (min/max with
+ * the bound first keep a NaN as its ternaries do), vrint is rintf (rounding in the current mode), vpow2 is 2^k for an
+ * integral k in [-126, 127] (its exponent bits, as exp_poly's union). */
 #if defined(__AVX512F__)
 INLINE vec vset1(float a) { return _mm512_set1_ps(a); }
 INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+INLINE vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+INLINE vec vneg(vec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
 INLINE void vstore(float *p, vec a) { _mm512_storeu_ps(p, a); }
+INLINE vec vclamp_exp(vec x) { return _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x)); }
+INLINE vec vrint(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_CUR_DIRECTION); }
+INLINE vec vpow2(vec k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 INLINE vec vset1(float a) { return _mm256_set1_ps(a); }
 INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+INLINE vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+INLINE vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
 INLINE void vstore(float *p, vec a) { _mm256_storeu_ps(p, a); }
+INLINE vec vclamp_exp(vec x) { return _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x)); }
+INLINE vec vrint(vec x) { return _mm256_round_ps(x, _MM_FROUND_CUR_DIRECTION); }
+INLINE vec vpow2(vec k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23));
+}
 #else
 INLINE vec vset1(float a) { return a; }
 INLINE vec vmul(vec a, vec b) { return a * b; }
+INLINE vec vsub(vec a, vec b) { return a - b; }
+INLINE vec vdiv(vec a, vec b) { return a / b; }
+INLINE vec vneg(vec a) { return -a; }
 INLINE void vstore(float *p, vec a) { *p = a; }
+INLINE vec vclamp_exp(vec x) { return x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); }
+INLINE vec vrint(vec x) { return rintf(x); }
+INLINE vec vpow2(vec k) {
+    union { float f; int32_t i; } scale = { .i = ((int32_t)k + 127) << 23 };
+    return scale.f;
+}
 #endif
 
-/* exp_poly on a vector: lane by lane the very operations of exp_poly above (the clamps as min/max, which keep a NaN
- * as its ternaries do; rintf as rounding in the current mode, as rintf does; the same multiplies and adds in the same order, none
- * fused), so every lane is bitwise exp_poly of it. GCC does not vectorize exp_poly's loops itself (its clamps are
- * control flow to it): SiLU and softmax ran one value at a time. */
-#if defined(__AVX512F__)
+/* exp_poly on a vector: lane by lane the very operations of exp_poly above (the same multiplies and adds in the same
+ * order, none fused), so every lane is bitwise exp_poly of it. GCC does not vectorize exp_poly's loops itself on AVX2
+ * (its clamps are control flow to it): SiLU and softmax ran one value at a time. */
 INLINE vec vexp_poly(vec x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
-    const vec k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                       _MM_FROUND_CUR_DIRECTION);
-    vec r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
-    vec p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    x = vclamp_exp(x);
+    const vec k = vrint(vmul(x, vset1(1.44269504088896341f)));
+    vec r = vsub(x, vmul(k, vset1(0.693359375f)));
+    r = vsub(r, vmul(k, vset1(-2.12194440e-4f)));
+    vec p = vset1(1.9875691500e-4f);
+    p = vadd(vmul(p, r), vset1(1.3981999507e-3f));
+    p = vadd(vmul(p, r), vset1(8.3334519073e-3f));
+    p = vadd(vmul(p, r), vset1(4.1665795894e-2f));
+    p = vadd(vmul(p, r), vset1(1.6666665459e-1f));
+    p = vadd(vmul(p, r), vset1(5.0000001201e-1f));
+    p = vadd(vadd(vmul(vmul(p, r), r), r), vset1(1.0f));
+    return vmul(p, vpow2(k));
 }
-INLINE vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-INLINE vec vneg(vec a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
-#elif defined(__AVX2__) && defined(__FMA__)
-INLINE vec vexp_poly(vec x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
-    const vec k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_CUR_DIRECTION);
-    vec r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
-    vec p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-INLINE vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-INLINE vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-INLINE vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
-#else
-INLINE vec vexp_poly(vec x) { return exp_poly(x); }
-INLINE vec vdiv(vec a, vec b) { return a / b; }
-INLINE vec vsub(vec a, vec b) { return a - b; }
-INLINE vec vneg(vec a) { return -a; }
-#endif
 
 /* a[j] = (gate[j] / (1 + exp_poly(-gate[j]))) * up[j]: SiLU(gate) times up, each value as the scalar loop computes it */
 INLINE void silu_times(const float *restrict gate, const float *restrict up, float *restrict a, int64_t F) {
