@@ -3,13 +3,18 @@ for the tokenizer, the config and the weights: ~10 s each for Gemma 3's 262k-tok
 CPU; its whole conversion went from 51-56 s to 32-36 s, to byte-identical files
 (`benchmarks/results/issue15_test_suite/gguf_one_parse_avx512.txt`). Checked here on the real default GGUF's
 tokenizer and config (`gguf_text_side`, the same memo around the same transformers loads as a full
-conversion, without its ~15 s of dequantising): one parse instead of two, and the same files. Slow."""
+conversion, without its ~15 s of dequantising): one parse instead of two, and the same files. The parse
+itself reads a plain array instead of a memmap (models.gguf_reader: Gemma 3's conversion 52-55 -> 33-40 s on a
+2-core AVX2 EPYC, byte-identical files; `benchmarks/results/issue15_test_suite/gguf_plain_array_avx2.txt`):
+its fields and tensors are GGUFReader's own. Slow."""
 
 import contextlib
 import filecmp
 
 import gguf
+import numpy as np
 import pytest
+from gguf.gguf_reader import GGUFReader
 
 from diffspec import models
 
@@ -18,13 +23,13 @@ pytestmark = pytest.mark.slow
 
 def test_a_ggufs_tokenizer_and_config_come_from_one_header_parse_unchanged(tmp_path, monkeypatch):
     parsed = []
-    original = gguf.GGUFReader
+    original, original_init = gguf.GGUFReader, GGUFReader.__init__
 
-    def counting(path, mode="r"):
+    def counting(self, path, mode="r"):  # every parse, through gguf.GGUFReader or models.gguf_reader
         parsed.append(str(path))
-        return original(path, mode)
+        original_init(self, path, mode)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    monkeypatch.setattr(GGUFReader, "__init__", counting)
     source = models.builtin_gguf_path(models.DEFAULT_MODEL)
     one_parse, parses, outputs = models._one_gguf_parse, {}, {}
     for memo in (False, True):
@@ -35,9 +40,27 @@ def test_a_ggufs_tokenizer_and_config_come_from_one_header_parse_unchanged(tmp_p
         parses[memo] = len(parsed)
         outputs[memo] = (tokenizer.vocab_size, {k: v for k, v in config.to_dict().items() if k != "_name_or_path"})
     assert parses == {False: 2, True: 1}  # the tokenizer's parse and the config's: one between them
-    assert gguf.GGUFReader is counting  # the memo put the reader back
+    assert gguf.GGUFReader is original  # the memo put the reader back
     assert outputs[False] == outputs[True]
     folders = [next((tmp_path / f"memo-{memo}" / "models").glob("*-text")) for memo in (False, True)]
     names = sorted(p.name for p in folders[0].iterdir())
     assert "tokenizer.json" in names and names == sorted(p.name for p in folders[1].iterdir())
     assert filecmp.cmpfiles(*folders, names, shallow=False)[1:] == ([], [])
+
+
+def test_the_plain_array_reader_reads_what_gguf_reads():
+    source = models.builtin_gguf_path(models.DEFAULT_MODEL)
+    theirs, ours = gguf.GGUFReader(str(source)), models.gguf_reader(source)
+    assert type(theirs.data) is np.memmap and type(ours.data) is np.ndarray  # what makes it faster
+    assert np.shares_memory(ours.data, ours.tensors[0].data)  # tensors stay views of the mapping, not copies
+    assert list(theirs.fields) == list(ours.fields) and len(theirs.fields["tokenizer.ggml.tokens"].data) > 40000
+    for name, field in theirs.fields.items():
+        other = ours.fields[name]
+        assert (field.offset, field.data, field.types) == (other.offset, other.data, other.types), name
+        assert len(field.parts) == len(other.parts), name
+        for a, b in zip(field.parts, other.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors]
+    for a, b in zip(theirs.tensors, ours.tensors):
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name

@@ -452,7 +452,9 @@ class LlamaCppTarget(TargetBase):
                 import gguf
             except ImportError as e:
                 raise DiffspecError(f"reading the GGUF's embeddings needs the `gguf` package ({e})") from None
-            reader = gguf.GGUFReader(str(self.gguf))
+            from ..models import gguf_reader
+
+            reader = gguf_reader(str(self.gguf))
             tensors = {t.name: t for t in reader.tensors}
             if "token_embd.weight" not in tensors:
                 raise DiffspecError(f"{self.gguf} has no token_embd.weight tensor to share with a drafter")
