@@ -64,3 +64,33 @@ def test_the_plain_array_reader_reads_what_gguf_reads():
         [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors]
     for a, b in zip(theirs.tensors, ours.tensors):
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_weight_names_build_gguf_s_name_table_once_and_the_same():
+    """transformers names a GGUF's weights module by module, asking gguf for the architecture's tensor-name table
+    at each (397 tables for SmolLM2: 15 of its conversion's 26 s). Inside _one_gguf_parse the table is built once
+    per (architecture, layers), and the names are the same as without."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from conftest import make_model
+
+    model = make_model(70, layers=3)
+    built = []
+    original = gguf.get_tensor_name_map
+
+    def counting(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return original(arch, n_blocks)
+
+    gguf.get_tensor_name_map = counting
+    try:
+        plain = get_gguf_hf_weights_map(model, TensorProcessor())
+        once = len(built)
+        built.clear()
+        with models._one_gguf_parse():
+            memoised = get_gguf_hf_weights_map(model, TensorProcessor())
+        assert gguf.get_tensor_name_map is counting  # put back
+    finally:
+        gguf.get_tensor_name_map = original
+    assert once > 10 and len(built) == 1  # one table a module before, one in all now
+    assert memoised == plain and "blk.2.attn_q.weight" in plain
