@@ -52,7 +52,11 @@ def test_the_plain_array_reader_reads_what_gguf_reads():
     source = models.builtin_gguf_path(models.DEFAULT_MODEL)
     theirs, ours = gguf.GGUFReader(str(source)), models.gguf_reader(source)
     assert type(theirs.data) is np.memmap and type(ours.data) is np.ndarray  # what makes it faster
-    assert np.shares_memory(ours.data, ours.tensors[0].data)  # tensors stay views of the mapping, not copies
+    # the file's mapping itself, read-only, not a copy of it; tensors stay views of it
+    assert isinstance(ours.data.base, np.memmap) and not ours.data.flags.writeable
+    assert np.shares_memory(ours.data, ours.tensors[0].data)
+    with models._one_gguf_parse():  # what transformers gets there
+        assert type(gguf.GGUFReader(str(source)).data) is np.ndarray
     assert list(theirs.fields) == list(ours.fields) and len(theirs.fields["tokenizer.ggml.tokens"].data) > 40000
     for name, field in theirs.fields.items():
         other = ours.fields[name]
@@ -66,7 +70,7 @@ def test_the_plain_array_reader_reads_what_gguf_reads():
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
 
 
-def test_weight_names_build_gguf_s_name_table_once_and_the_same():
+def test_weight_names_build_gguf_s_name_table_once_and_the_same(monkeypatch):
     """transformers names a GGUF's weights module by module, asking gguf for the architecture's tensor-name table
     at each (397 tables for SmolLM2: 15 of its conversion's 26 s). Inside _one_gguf_parse the table is built once
     per (architecture, layers), and the names are the same as without."""
@@ -74,7 +78,6 @@ def test_weight_names_build_gguf_s_name_table_once_and_the_same():
 
     from conftest import make_model
 
-    model = make_model(70, layers=3)
     built = []
     original = gguf.get_tensor_name_map
 
@@ -82,15 +85,44 @@ def test_weight_names_build_gguf_s_name_table_once_and_the_same():
         built.append((arch, n_blocks))
         return original(arch, n_blocks)
 
-    gguf.get_tensor_name_map = counting
-    try:
-        plain = get_gguf_hf_weights_map(model, TensorProcessor())
-        once = len(built)
-        built.clear()
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting)
+    three, two = make_model(70, layers=3), make_model(70, layers=2)
+    plain = [get_gguf_hf_weights_map(m, TensorProcessor()) for m in (three, two)]
+    once = len(built)
+    built.clear()
+    with models._one_gguf_parse():
+        memoised = [get_gguf_hf_weights_map(m, TensorProcessor()) for m in (three, two, three)]
+    assert gguf.get_tensor_name_map is counting  # put back
+    assert once > 20 and len(built) == 2  # one table a module before; one for each layer count now
+    assert memoised == plain + plain[:1]
+    assert "blk.2.attn_q.weight" in plain[0] and "blk.2.attn_q.weight" not in plain[1]
+
+
+def test_conversions_in_two_threads_take_turns_and_leave_gguf_as_it_was():
+    """Two threads' overlapping conversions would each put back what the other had patched in (gguf left patched
+    for good, holding a memo of every file it read): they take turns through _one_gguf_parse."""
+    import threading
+
+    original = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    first_in, second_tried, seen = threading.Event(), threading.Event(), []
+
+    def first():
         with models._one_gguf_parse():
-            memoised = get_gguf_hf_weights_map(model, TensorProcessor())
-        assert gguf.get_tensor_name_map is counting  # put back
-    finally:
-        gguf.get_tensor_name_map = original
-    assert once > 10 and len(built) == 1  # one table a module before, one in all now
-    assert memoised == plain and "blk.2.attn_q.weight" in plain
+            first_in.set()
+            second_tried.wait(5)
+            seen.append(("first", gguf.GGUFReader))
+
+    def second():
+        first_in.wait(5)
+        second_tried.set()
+        with models._one_gguf_parse():
+            seen.append(("second", gguf.GGUFReader))
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert [who for who, _ in seen] == ["first", "second"]  # the second waited for the first to leave
+    assert all(reader is not original[0] for _, reader in seen)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == original

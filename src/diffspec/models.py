@@ -10,12 +10,14 @@ that later loads read in well under a second.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +115,7 @@ def _convert(gguf: Path, out: Path, quiet: bool) -> None:
 
     if not quiet:
         print(f"diffspec: first use of {gguf.name}: converting the GGUF once to safetensors "
-              f"(30 s to a few minutes); cached in {out}", file=sys.stderr, flush=True)
+              f"(tens of seconds); cached in {out}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         with _one_gguf_parse():
@@ -223,14 +225,9 @@ def check_hub_id_reachable(spec: str, timeout_s: float = 3.0) -> None:
         raise DiffspecError(f"model '{spec}': {where}; the hub ({host}) cannot be reached from here ({e})") from None
 
 
-def gguf_reader(path):
-    """gguf's GGUFReader over the file's bytes as a plain numpy array instead of its `np.memmap`.
-
-    GGUFReader slices its data once per metadata value and per tensor, and each slice of a memmap runs
-    numpy's Python-level `memmap.__array_finalize__`/`__getitem__`: Gemma 3's 262k-token vocabulary is ~790k
-    slices, 23 s a parse on a 2-core AVX2 EPYC. A plain array over the same mapping (np.asarray of the memmap:
-    no copy, the mapping kept alive as its base) gives the same fields and tensors in 8 s. Read-only: the
-    reader's write mode is not offered."""
+@functools.lru_cache(maxsize=None)
+def _plain_array_reader_class():
+    """GGUFReader with its `data` stored as np.asarray(the memmap it assigns): a plain array over the same mapping."""
     import numpy as np
     from gguf.gguf_reader import GGUFReader  # the class itself, also while _one_gguf_parse stands in for it
 
@@ -243,7 +240,22 @@ def gguf_reader(path):
         def data(self, mapping):  # GGUFReader.__init__ assigns np.memmap(path) here
             self._plain = np.asarray(mapping)
 
-    return PlainArrayReader(path, "r")
+    return PlainArrayReader
+
+
+def gguf_reader(path):
+    """gguf's GGUFReader over the file's bytes as a plain numpy array instead of its `np.memmap`.
+
+    GGUFReader slices its data once per metadata value and per tensor, and each slice of a memmap runs
+    numpy's Python-level `memmap.__array_finalize__`/`__getitem__`: Gemma 3's 262k-token vocabulary is ~790k
+    slices, 23 s a parse on a 2-core AVX2 EPYC. A plain array over the same mapping (np.asarray of the memmap:
+    no copy, read-only, the mapping kept alive as its base) gives the same fields and tensors in 8 s. The
+    reader's write modes are not offered."""
+    return _plain_array_reader_class()(path, "r")
+
+
+#: held by _one_gguf_parse: its patches of the `gguf` module stand for one conversion at a time in a process
+_GGUF_PATCH_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -254,32 +266,27 @@ def _one_gguf_parse():
     imports it from `gguf` at each call and only reads it). Likewise gguf's `get_tensor_name_map(arch, blocks)`,
     which transformers calls once per module of the model while naming its weights (397 times for SmolLM2, each
     building the same table of every architecture's tensor names: 15 of a 26 s conversion) and only reads.
-    Not for threads that load other GGUFs at the same moment: they would share the memos, harmlessly but for
-    the memory they hold."""
+    The memos live as long as the context. Threads take turns through it (a lock): two that overlapped would
+    each put back what the other had patched in."""
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
-    original_name_map = gguf.get_tensor_name_map
-    name_maps = {}
+    with _GGUF_PATCH_LOCK:
+        original, original_name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
+        name_map = functools.lru_cache(maxsize=None)(original_name_map)
 
-    def name_map(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = original_name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
+        def reader(path, mode="r"):
+            if mode != "r":
+                return original(path, mode)
+            key = str(Path(path).resolve())
+            if key not in readers:
+                readers[key] = gguf_reader(path)
+            return readers[key]
 
-    def reader(path, mode="r"):
-        if mode != "r":
-            return original(path, mode)
-        key = str(Path(path).resolve())
-        if key not in readers:
-            readers[key] = gguf_reader(path)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map
 
 
 @contextlib.contextmanager
