@@ -25,6 +25,7 @@ def run_interleaved(engines: dict, prompts, max_new_tokens: int, warmup_text=Non
         order = names[i % len(names):] + names[:i % len(names)]
         got = {}
         for m in order:
+            engines[m].target.reset()  # every method prefills (a target keeps the last prompt's prefill otherwise)
             t0 = time.perf_counter()
             r = engines[m].generate(p.text, max_new_tokens=max_new_tokens)
             wall = time.perf_counter() - t0

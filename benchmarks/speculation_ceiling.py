@@ -68,6 +68,7 @@ def main() -> None:
     plain.generate(warm, max_new_tokens=16)
     for i, (pid, text) in enumerate(prompts):
         ids = target.encode_prompt(text)
+        target.reset()  # every run prefills (a target keeps the last prompt's prefill otherwise)
         t0 = time.perf_counter()
         ref = plain.generate(ids, max_new_tokens=args.max_new_tokens)
         total["plain"][0] += len(ref.token_ids)
@@ -77,6 +78,7 @@ def main() -> None:
         for a, k in configs:
             engine = SpeculativeEngine(target, SyntheticDrafter(answer, target.vocab_size, a, seed=i),
                                        make_policy("fixed", gamma=k))
+            target.reset()
             t0 = time.perf_counter()
             got = engine.generate(ids, max_new_tokens=args.max_new_tokens)
             dt = time.perf_counter() - t0

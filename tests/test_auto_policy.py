@@ -476,7 +476,8 @@ def test_a_reader_that_never_pays_is_retired_and_the_target_stops_computing_its_
         result = engine.generate(prompt, max_new_tokens=n, stop_token_ids=())
         assert result.token_ids == reference
         flags = [r.hidden_states for r in result.rounds]
-        assert asked == [flags[0]] + flags  # the prefill asks iff the first round does
+        prefill = [flags[0]] if result.prefill_forward_passes else []  # (none: the prompt's prefill was kept)
+        assert asked == prefill + flags  # the prefill asks iff the first round does
         assert flags == sorted(flags, reverse=True)  # once dropped, never asked again in the request
         assert result.hidden_state_rounds == sum(flags) == result.stats_dict()["hidden_state_rounds"]
         drafted_after = [r.source for r in result.rounds[sum(flags):] if r.source]

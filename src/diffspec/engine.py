@@ -106,10 +106,9 @@ class SpeculativeEngine:
         generator = make_generator(sampling, device)
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=device)
 
-        # 0. prefill: the cache takes every prompt token but the last
+        # 0. prefill: the cache takes every prompt token but the last (no pass where the target still holds
+        #    this prompt's prefill from the request before: Target.prefill)
         t0 = time.perf_counter()
-        target.reset()
-        target.reserve(len(prompt_ids) + max_new_tokens)  # the most this request's cache will hold
         passes_before = target.forward_passes
         policy.begin_request(sampling.greedy)
         if layers and not policy.wants_hidden_states():
@@ -117,10 +116,10 @@ class SpeculativeEngine:
         sources = drafter.sources if drafter is not None else ()
         if drafter is not None:
             drafter.begin(tokens)
-        if len(prompt_ids) > 1:
-            out = target.forward(tokens[:-1], hidden_layers=layers, logits=False)  # its logits go unread
-            if layers:
-                drafter.observe(out.hidden_states, start=0)
+        # room for the most this request's cache will hold
+        hidden = target.prefill(tokens[:-1], len(prompt_ids) + max_new_tokens, hidden_layers=layers)
+        if layers and len(prompt_ids) > 1:
+            drafter.observe(hidden, start=0)
         yield time.perf_counter() - t0, target.forward_passes - passes_before
 
         generated = 0

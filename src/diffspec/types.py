@@ -125,7 +125,8 @@ class GenerationResult:
     round, so plain decoding scores 1.0 and a round that accepts all k drafted tokens scores k+1.
     accepted_tokens is verification's verdict (RoundStats.accepted): where a stop token or the
     length limit cut the last round, it may count drafted tokens the output does not hold.
-    target_forward_passes includes the prefill pass.
+    target_forward_passes includes the prefill pass; prefill_forward_passes is 0 where the target still held
+    this prompt's prefill from the request before (Target.prefill) or the prompt is one token.
     """
 
     text: str

@@ -84,6 +84,7 @@ class EngineRunner(Runner):
         self.policy = engine.policy.describe() if engine.drafter is not None else "-"
 
     def run(self, prompt_ids: list, max_new_tokens: int, sampling: SamplingParams) -> Outcome:
+        self.engine.target.reset()  # no prefill kept from another method's or an earlier run: every request prefills
         sync(self.engine.target.device)
         t0 = time.perf_counter()
         r = self.engine.generate(list(prompt_ids), max_new_tokens=max_new_tokens, sampling=sampling)
