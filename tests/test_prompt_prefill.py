@@ -141,3 +141,64 @@ def test_the_bench_times_a_prefill_for_every_request():
     assert outcomes[0].target_forward_passes == outcomes[2].target_forward_passes == 1 + 6
     assert outcomes[1].target_forward_passes == outcomes[3].target_forward_passes
     assert all(o.prefill_time_s > 0 for o in outcomes)
+
+
+def test_a_pass_that_failed_midway_is_never_kept():
+    """A pass that raises in its second layer leaves the first layer's cache a pass ahead of the second's: the same
+    prompt again prefills anew (cutting both layers back by the first's excess would put the second below the
+    prompt: a wrong answer, no error)."""
+    model = make_model(V, seed=8)
+    target = Target(model, kernels="auto")
+    engine = SpeculativeEngine(target, PromptLookupDrafter(), FixedPolicy(3))
+    want = reference_greedy(model, PROMPT, 8, stop_ids=())
+    assert engine.generate(PROMPT, max_new_tokens=8, stop_token_ids=[]).token_ids == want
+    down = model.model.layers[1].self_attn.q_proj  # before the second layer writes its cache
+    routed = down.__dict__.get("forward")
+
+    def fail(x):
+        raise RuntimeError("out of memory (simulated)")
+
+    down.forward = fail
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            engine.generate(PROMPT, max_new_tokens=8, stop_token_ids=[])  # its prefill kept, its first round fails
+    finally:
+        if routed is not None:
+            down.forward = routed
+        else:
+            del down.forward
+    assert len({layer.get_seq_length() for layer in target._cache.layers}) == 2  # the layers disagree
+    again = engine.generate(PROMPT, max_new_tokens=8, stop_token_ids=[])
+    assert again.prefill_forward_passes == 1 and again.token_ids == want
+
+
+def test_a_fixed_capacity_cache_keeps_the_prefill_only_at_the_capacity_it_attended_over(monkeypatch):
+    import diffspec.cache as dc
+
+    monkeypatch.setattr(dc, "FIXED_CAPACITY_MIN", 16)  # 15 prompt tokens + 1 new fit 16 positions; + 10 need 32
+    model = make_model(V, seed=9)
+    target = Target(model, kernels="auto", fixed_cache=True)
+    engine = SpeculativeEngine(target, PromptLookupDrafter(), FixedPolicy(3))
+    got = [engine.generate(PROMPT, max_new_tokens=n, stop_token_ids=[]) for n in (1, 10, 10, 1)]
+    assert [r.prefill_forward_passes for r in got] == [1, 1, 0, 0]
+    assert dc.fixed_cache_capacity(target._cache) == 32
+    assert got[1].token_ids == got[2].token_ids == reference_greedy(model, PROMPT, 10, stop_ids=())
+
+
+def test_kept_hidden_states_are_handed_out_as_copies_and_only_up_to_a_size(monkeypatch):
+    import diffspec.target as dt
+
+    model = make_model(V, seed=10)
+    target = Target(model, kernels="auto")
+    ids = torch.tensor(PROMPT[:-1])
+    first = target.prefill(ids, 32, hidden_layers=(0, 1))
+    want = first.clone()
+    with torch.inference_mode():
+        first.mul_(0)  # a drafter that scribbles on what it was handed
+    kept = target.prefill(ids, 32, hidden_layers=(0, 1))
+    assert target.forward_passes == 1 and torch.equal(kept, want)
+    monkeypatch.setattr(dt, "KEPT_HIDDEN_BYTES", want.numel() * want.element_size() - 1)
+    target.reset()
+    target.prefill(ids, 32, hidden_layers=(0, 1))  # too large to keep: kept without them
+    assert target.prefill(ids, 32) is None and target.forward_passes == 2
+    assert torch.equal(target.prefill(ids, 32, hidden_layers=(0, 1)), want) and target.forward_passes == 3

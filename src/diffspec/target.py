@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -38,7 +38,13 @@ class _Prefill:
     tokens: torch.Tensor
     layers: tuple
     hidden: Optional[torch.Tensor]
+    capacity: Optional[int]  # a fixed-capacity cache's, which the pass attended over
     arithmetic: tuple
+
+
+#: the most a kept prefill's hidden states may hold (a long prompt's features on a wide model: 400 MB at 8k tokens x
+#: 3 layers x 4096); beyond it the prefill is kept for requests that read none
+KEPT_HIDDEN_BYTES = 64 << 20
 
 
 class TargetOutput:
@@ -363,31 +369,48 @@ class Target(TargetBase):
     def prefill(self, tokens: torch.Tensor, positions: int,
                 hidden_layers: Sequence[int] = ()) -> Optional[torch.Tensor]:
         """As `TargetBase.prefill`, keeping the last request's prefill where it is the state a new prefill would
-        leave, bitwise: the same tokens; the same layers' hidden states asked (or none); the cache still holding
-        those positions as that pass left them (neither `reset` nor cut below them since: later passes write
-        after them); and the passes computing as they did then (`_arithmetic`: the same weights, linear-layer
-        routing, direct pass, threads and attention). Then the prefill costs no pass (`forward_passes` unchanged,
-        so a result's `prefill_forward_passes` is 0): a repeated prompt (a client's retry, n samples of one
-        prompt, a statistical test's thousands of seeded requests) starts at its first round. Anything else
-        prefills anew. Code that times requests (the bench) calls `reset()` before each one."""
+        leave, bitwise:
+        - the same tokens, and the same layers' hidden states asked (or none);
+        - the cache still holding those positions as that pass left them: neither `reset` nor cut below them
+          since (later passes write after them), no pass failed midway since, and a sliding-window layer still
+          holding them;
+        - a fixed-capacity cache at the capacity the pass attended over, and room enough in it;
+        - the passes computing as they did (`_arithmetic`: the same weights, linear-layer routing, direct pass,
+          threads and attention), before and after that pass too.
+        Then the prefill costs no pass (`forward_passes` unchanged, so a result's `prefill_forward_passes` is 0): a
+        repeated prompt (a client's retry, n samples of one prompt, a statistical test's thousands of seeded
+        requests) starts at its first round. Anything else prefills anew. Weights edited through `.data` (which
+        no version counter sees) need a `reset()` first; code that times requests (the bench) calls it before
+        each one."""
         tokens = tokens.reshape(-1)
         kept, layers = self._prefilled, tuple(int(i) for i in hidden_layers)
         if (kept is not None and tokens.shape[0] > 0 and torch.equal(kept.tokens, tokens.to(kept.tokens.device))
                 and layers in ((), kept.layers) and self.cache_len >= tokens.shape[0]
                 and (self.fixed_cache or tokens.shape[0] >= earliest_length(self._cache))
+                and kept.capacity == self._capacity()
+                and (kept.capacity is None or min(int(positions), self.max_context) <= kept.capacity)
                 and kept.arithmetic == self._arithmetic()):
             self.truncate(tokens.shape[0])
             self.reserve(positions)
-            return kept.hidden if layers else None
+            return kept.hidden.clone() if layers else None  # a copy: what a drafter does to it stays its own
+        arithmetic = self._arithmetic() if tokens.shape[0] > 0 else None
         hidden = super().prefill(tokens, positions, layers)  # resets: nothing is kept until it returns
-        if tokens.shape[0] > 0:
-            self._prefilled = _Prefill(tokens.clone(), layers, hidden, self._arithmetic())
+        if arithmetic is not None and arithmetic == self._arithmetic():  # (a first packed pass may route anew)
+            self._prefilled = _Prefill(tokens.clone(), layers, hidden.clone() if hidden is not None else None,
+                                       self._capacity(), arithmetic)  # (copies: the caller's are its own)
+            if hidden is not None and hidden.numel() * hidden.element_size() > KEPT_HIDDEN_BYTES:
+                self._prefilled = replace(self._prefilled, layers=(), hidden=None)  # kept for requests without them
         return hidden
 
+    def _capacity(self) -> Optional[int]:
+        """The positions a fixed-capacity cache's passes attend over (None: a position-indexed cache)."""
+        return fixed_cache_capacity(self._cache) if self.fixed_cache else None
+
     def _arithmetic(self) -> tuple:
-        """What a pass computes from besides its tokens and the cache: each parameter and buffer's storage and
-        in-place version, the linear layers' routing (packed_linear's epoch, bumped by every install), the plan
-        and the direct pass in use, the model's mode and attention, and torch's thread count."""
+        """What a pass computes from besides its tokens and the cache: each parameter and buffer (its identity,
+        storage, in-place version, dtype and shape), the linear layers' routing (packed_linear's epoch, bumped by
+        every install), the plan and the direct pass in use, the model's mode and attention, and torch's thread
+        count."""
         from .packed_linear import routing_epoch
 
         weights, stack = [], [self.model]
@@ -396,7 +419,7 @@ class Target(TargetBase):
             stack.extend(m for m in module._modules.values() if m is not None)
             for t in (*module._parameters.values(), *module._buffers.values()):
                 if t is not None:
-                    weights.append((t.data_ptr(), t._version))
+                    weights.append((id(t), t.data_ptr(), t._version, t.dtype, t.shape))
         return (routing_epoch(), id(self.linear_plan), id(self.direct_pass), self.model.training,
                 self.model.config._attn_implementation, torch.get_num_threads(), tuple(weights))
 
@@ -474,6 +497,7 @@ class Target(TargetBase):
                 self.compiled.timed_first((width, True), time.perf_counter() - started,
                                           fixed_cache_capacity(self._cache) if self.fixed_cache else None)
         except BaseException:
+            self._prefilled = None  # the layers that ran hold this pass's rows, the others not: prefill anew
             if self.fixed_cache:  # the layers that ran before the failure counted the pass's rows: undo
                 set_fixed_length(self._cache, before)
                 self._length = before

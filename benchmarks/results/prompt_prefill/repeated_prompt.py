@@ -1,7 +1,7 @@
 """A repeated prompt on the default target (SmolLM2-135M-Instruct, transformers backend, --kernels auto, eager):
 the request's prefill time and wall time when the target still holds the prompt's prefill, against the same request
-after `target.reset()` (a new prefill), alternated, plain decoding of 16 new tokens, prompts of ~60, ~250 and ~500
-tokens. Usage: python repeated_prompt.py OUT.json"""
+after `target.reset()` (a new prefill), alternated, plain decoding of 16 new tokens, prompts of 64, 163 and 295
+tokens (the text repeated 1, 4 and 8 times, in the chat template). Usage: python repeated_prompt.py OUT.json"""
 import json
 import statistics
 import sys
