@@ -197,8 +197,65 @@ def test_kept_hidden_states_are_handed_out_as_copies_and_only_up_to_a_size(monke
         first.mul_(0)  # a drafter that scribbles on what it was handed
     kept = target.prefill(ids, 32, hidden_layers=(0, 1))
     assert target.forward_passes == 1 and torch.equal(kept, want)
+    with torch.inference_mode():
+        kept.mul_(0)  # and on what a kept prefill handed it
+    assert torch.equal(target.prefill(ids, 32, hidden_layers=(0, 1)), want) and target.forward_passes == 1
     monkeypatch.setattr(dt, "KEPT_HIDDEN_BYTES", want.numel() * want.element_size() - 1)
     target.reset()
     target.prefill(ids, 32, hidden_layers=(0, 1))  # too large to keep: kept without them
     assert target.prefill(ids, 32) is None and target.forward_passes == 2
     assert torch.equal(target.prefill(ids, 32, hidden_layers=(0, 1)), want) and target.forward_passes == 3
+
+
+def test_a_prefill_is_kept_only_if_the_arithmetic_held_through_its_own_pass():
+    """A routing change during the prefill's pass (a packed model's first pass stacks its layers' packs and routes
+    anew): the state is neither the old routing's nor the new one's throughout, so it is not kept."""
+    from diffspec.packed_linear import routing_changed
+
+    model = make_model(V, seed=11)
+    target = Target(model, kernels="auto")
+    q = model.model.layers[0].self_attn.q_proj
+    routed = q.__dict__.get("forward")
+    calls = []
+
+    def first_call_routes_anew(x):
+        if not calls:
+            routing_changed()
+        calls.append(1)
+        return (routed or type(q).forward.__get__(q))(x)
+
+    q.forward = first_call_routes_anew
+    engine = SpeculativeEngine(target, PromptLookupDrafter(), FixedPolicy(3))
+    got = [engine.generate(PROMPT, max_new_tokens=6, stop_token_ids=[]) for _ in range(3)]
+    assert [r.prefill_forward_passes for r in got] == [1, 1, 0]
+    assert all(r.token_ids == reference_greedy(model, PROMPT, 6, stop_ids=()) for r in got)
+
+
+def test_a_weight_viewed_anew_through_data_prefills_anew():
+    """Same storage, same shape, same version counter (a `.data` assignment bumps none): another layout is another
+    weight."""
+    model = make_model(V, seed=12)
+    target = Target(model, kernels="auto")
+    engine = SpeculativeEngine(target, PromptLookupDrafter(), FixedPolicy(3))
+    assert [engine.generate(PROMPT, max_new_tokens=4, stop_token_ids=[]).prefill_forward_passes
+            for _ in range(2)] == [1, 0]
+    square = model.model.layers[0].self_attn.o_proj.weight  # 32 x 32
+    with torch.no_grad():
+        square.data = square.data.t()  # the transpose: same storage, same shape, other strides
+    r = engine.generate(PROMPT, max_new_tokens=4, stop_token_ids=[])
+    assert r.prefill_forward_passes == 1 and r.token_ids == reference_greedy(model, PROMPT, 4, stop_ids=())
+
+
+def test_a_fixed_capacity_grown_since_the_prefill_is_not_kept(monkeypatch):
+    import diffspec.cache as dc
+
+    monkeypatch.setattr(dc, "FIXED_CAPACITY_MIN", 16)
+    target = Target(make_model(V, seed=13), kernels="auto", fixed_cache=True)
+    ids = torch.tensor(PROMPT[:-1])
+    target.prefill(ids, 16)
+    target.reserve(40)  # grown (32 -> 64 positions) by someone else: a new prefill would attend over 64
+    assert dc.fixed_cache_capacity(target._cache) == 64
+    target.prefill(ids, 16)
+    assert target.forward_passes == 2
+    target.prefill(ids, 16)
+    assert target.forward_passes == 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -376,7 +376,7 @@ class Target(TargetBase):
           holding them;
         - a fixed-capacity cache at the capacity the pass attended over, and room enough in it;
         - the passes computing as they did (`_arithmetic`: the same weights, linear-layer routing, direct pass,
-          threads and attention), before and after that pass too.
+          threads and attention) as before that pass.
         Then the prefill costs no pass (`forward_passes` unchanged, so a result's `prefill_forward_passes` is 0): a
         repeated prompt (a client's retry, n samples of one prompt, a statistical test's thousands of seeded
         requests) starts at its first round. Anything else prefills anew. Weights edited through `.data` (which
@@ -392,14 +392,21 @@ class Target(TargetBase):
                 and kept.arithmetic == self._arithmetic()):
             self.truncate(tokens.shape[0])
             self.reserve(positions)
-            return kept.hidden.clone() if layers else None  # a copy: what a drafter does to it stays its own
+            if not layers:
+                return None
+            with torch.inference_mode():  # a copy (what a drafter does to it stays its own), made as a pass's are
+                return kept.hidden.clone()
+        # the arithmetic before the pass: one that changes during it (a packed model's first pass routes anew) is
+        # not the next request's, so that request prefills anew
         arithmetic = self._arithmetic() if tokens.shape[0] > 0 else None
         hidden = super().prefill(tokens, positions, layers)  # resets: nothing is kept until it returns
-        if arithmetic is not None and arithmetic == self._arithmetic():  # (a first packed pass may route anew)
-            self._prefilled = _Prefill(tokens.clone(), layers, hidden.clone() if hidden is not None else None,
-                                       self._capacity(), arithmetic)  # (copies: the caller's are its own)
+        if arithmetic is not None:
             if hidden is not None and hidden.numel() * hidden.element_size() > KEPT_HIDDEN_BYTES:
-                self._prefilled = replace(self._prefilled, layers=(), hidden=None)  # kept for requests without them
+                kept_layers, kept_hidden = (), None  # kept for requests that read none
+            else:
+                with torch.inference_mode():  # (a copy: the caller's is its own)
+                    kept_layers, kept_hidden = layers, hidden.clone() if hidden is not None else None
+            self._prefilled = _Prefill(tokens.clone(), kept_layers, kept_hidden, self._capacity(), arithmetic)
         return hidden
 
     def _capacity(self) -> Optional[int]:
@@ -408,7 +415,7 @@ class Target(TargetBase):
 
     def _arithmetic(self) -> tuple:
         """What a pass computes from besides its tokens and the cache: each parameter and buffer (its identity,
-        storage, in-place version, dtype and shape), the linear layers' routing (packed_linear's epoch, bumped by
+        storage, in-place version, dtype, shape and strides), the linear layers' routing (packed_linear's epoch, bumped by
         every install), the plan and the direct pass in use, the model's mode and attention, and torch's thread
         count."""
         from .packed_linear import routing_epoch
@@ -419,7 +426,7 @@ class Target(TargetBase):
             stack.extend(m for m in module._modules.values() if m is not None)
             for t in (*module._parameters.values(), *module._buffers.values()):
                 if t is not None:
-                    weights.append((id(t), t.data_ptr(), t._version, t.dtype, t.shape))
+                    weights.append((id(t), t.data_ptr(), t._version, t.dtype, t.shape, t.stride()))
         return (routing_epoch(), id(self.linear_plan), id(self.direct_pass), self.model.training,
                 self.model.config._attn_implementation, torch.get_num_threads(), tuple(weights))
 
