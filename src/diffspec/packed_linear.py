@@ -81,6 +81,22 @@ def weight_state(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.dtype, weight.device.type, tuple(weight.shape), weight._version)
 
 
+def module_state(module: torch.nn.Module) -> tuple:
+    """What a computation from `module`'s tensors depends on: for each parameter and buffer in its tree, its identity,
+    storage, in-place version, dtype, device, shape and strides. An edit in place through `p.data` (`p.data.mul_()`)
+    changes none of them: it is not seen; assigning `p.data = t`, a new Parameter or module, an in-place op on a
+    Parameter and a dtype change are. The tree is walked by hand (`model.parameters()` took 2.5x as long: 2.8 ms on
+    SmolLM2)."""
+    state, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        stack.extend(c for c in m._modules.values() if c is not None)
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()))
+    return tuple(state)
+
+
 # How linear layers are routed (a `forward` of their own, kernels.py) and packed (`packed_weight`), as an epoch: every
 # function that sets or removes either on a model's layers calls routing_changed(). A pass that asks the same
 # layers the same question every step keeps the answer with the epoch (fused_layers.FusedLayers._packs): checking

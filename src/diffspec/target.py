@@ -414,21 +414,13 @@ class Target(TargetBase):
         return fixed_cache_capacity(self._cache) if self.fixed_cache else None
 
     def _arithmetic(self) -> tuple:
-        """What a pass computes from besides its tokens and the cache: each parameter and buffer (its identity,
-        storage, in-place version, dtype, shape and strides), the linear layers' routing (packed_linear's epoch, bumped by
-        every install), the plan and the direct pass in use, the model's mode and attention, and torch's thread
-        count."""
-        from .packed_linear import routing_epoch
+        """What a pass computes from besides its tokens and the cache: each parameter and buffer
+        (packed_linear.module_state), the linear layers' routing (packed_linear's epoch, bumped by every install),
+        the plan and the direct pass in use, the model's mode and attention, and torch's thread count."""
+        from .packed_linear import module_state, routing_epoch
 
-        weights, stack = [], [self.model]
-        while stack:  # the live module tree, walked by hand (model.parameters() took 2.5x as long: 2.8 ms on SmolLM2)
-            module = stack.pop()
-            stack.extend(m for m in module._modules.values() if m is not None)
-            for t in (*module._parameters.values(), *module._buffers.values()):
-                if t is not None:
-                    weights.append((id(t), t.data_ptr(), t._version, t.dtype, t.shape, t.stride()))
         return (routing_epoch(), id(self.linear_plan), id(self.direct_pass), self.model.training,
-                self.model.config._attn_implementation, torch.get_num_threads(), tuple(weights))
+                self.model.config._attn_implementation, torch.get_num_threads(), module_state(self.model))
 
     def reset(self) -> None:
         self._prefilled = None
@@ -501,8 +493,7 @@ class Target(TargetBase):
                 self._length += n if self.fixed_cache else 0
             else:
                 out = self._compiled_pass(tokens.reshape(n).to(self.device), width, screen)
-                self.compiled.timed_first((width, True), time.perf_counter() - started,
-                                          fixed_cache_capacity(self._cache) if self.fixed_cache else None)
+                self.compiled.timed_first((width, True), time.perf_counter() - started, self._capacity())
         except BaseException:
             self._prefilled = None  # the layers that ran hold this pass's rows, the others not: prefill anew
             if self.fixed_cache:  # the layers that ran before the failure counted the pass's rows: undo

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import bf16_linear
+from ..packed_linear import module_state
 
 
 def cache_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -123,15 +124,8 @@ class ServingWeights:
         self._key = None
         self.weights: "PassWeights | None" = None
 
-    @staticmethod
-    def _key_of(model: nn.Module) -> tuple:
-        """Each parameter's identity, storage, version, dtype and device (~45 us a call, once a round). An edit
-        through `p.data` in place (`p.data.mul_()`) changes none of them: it is not seen; assigning `p.data = t`,
-        a new Parameter, an in-place op on the Parameter, a replaced module or a dtype change are."""
-        return tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
-
     def current(self, model: nn.Module) -> PassWeights:
-        key = self._key_of(model)
+        key = module_state(model)  # (once a round; what it sees and does not: packed_linear.module_state)
         if key != self._key:
             with torch.no_grad():
                 stacked = [self._stack(layer) for layer in model.layers]
