@@ -13,10 +13,11 @@ from diffspec.training.batches import (epoch_batches, pad_batch, rank_share, sam
 
 
 def reference_sequence_parts(model, tokens, hidden, target_next, first_supervised, anchors, embed, head_w, decay,
-                             greedy_path_only=False):
+                             greedy_path_only=False, hints=None):
     """One sequence, through the serving forward (ConditionedDraftModel.forward with the context's
     keys/values and a dense boolean mask): -> (sum of w * CE, sum of w). With greedy_path_only, slot k
-    counts only where tokens a+1..a+k-1 are the target's own choices (checked one by one here)."""
+    counts only where tokens a+1..a+k-1 are the target's own choices (checked one by one here). hints: per
+    anchor, the tokens its block's first slots carry instead of masks (lookup hints)."""
     cfg = model.cfg
     B, T = cfg.block_size, tokens.shape[0]
     a = torch.tensor(anchors)
@@ -25,6 +26,8 @@ def reference_sequence_parts(model, tokens, hidden, target_next, first_supervise
     kv = model.context_keys_values(hidden[:ctx_len], ctx_pos)
     block = torch.full((len(anchors), B), cfg.mask_token_id, dtype=torch.long)
     block[:, 0] = tokens[a]
+    for i, copy in enumerate(hints or []):
+        block[i, 1: 1 + len(copy)] = torch.tensor(copy, dtype=torch.long)
     positions = (a[:, None] + torch.arange(B)).reshape(-1)
     sees_ctx = ctx_pos[None, :] < a.repeat_interleave(B)[:, None]
     block_id = torch.arange(len(anchors)).repeat_interleave(B)

@@ -19,11 +19,11 @@ def dllm(vocab_size, seed=3, std=0.5):
     return make_model(vocab_size + 1, seed=seed, std=std)
 
 
-def conditioned_for(target, seed=4, block_size=6, layers=1):
+def conditioned_for(target, seed=4, block_size=6, layers=1, lookup_hints=False):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, num_hidden_layers=layers,
-                                           block_size=block_size, num_features=2)
+                                           block_size=block_size, num_features=2, lookup_hints=lookup_hints)
         model = ConditionedDraftModel(cfg).to(torch.float64)
         for p in model.parameters():  # larger weights: peakier drafts, so some get accepted
             p.data.normal_(0, 0.3) if p.dim() > 1 else None
@@ -44,10 +44,12 @@ def make(kind, target, tokenizer_size):
                                                                      context_window=6))
     if kind == "conditioned":
         return conditioned_for(target)
+    if kind == "conditioned-hints":  # prompt lookup's copy in its block
+        return conditioned_for(target, lookup_hints=True)
     raise ValueError(kind)
 
 
-KINDS = ["block", "block-unshifted-multistep", "masked", "masked-unshifted", "conditioned"]
+KINDS = ["block", "block-unshifted-multistep", "masked", "masked-unshifted", "conditioned", "conditioned-hints"]
 POLICIES = {
     "fixed4": lambda: FixedPolicy(4),
     "fixed13": lambda: FixedPolicy(13),                            # crosses block boundaries

@@ -5,6 +5,8 @@ generated tokens; a chi-square test compares it with the engine's samples, for e
 (q given, one-hot q, uniform q) and for temperature, top-p and top-k.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -111,6 +113,8 @@ def diffusion_drafter(kind, target):
         return MaskedDiffusionDrafter(body, MaskedDiffusionConfig(mask_token_id=V, steps=2))
     torch.manual_seed(8)
     cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=3, block_size=4, num_features=2)
+    if kind == "conditioned-hints":  # prompt lookup's copy in its block (PROMPT repeats: it copies)
+        cfg = replace(cfg, lookup_hints=True)
     drafter = ConditionedDrafter(ConditionedDraftModel(cfg).to(torch.float64))
     if kind == "conditioned-bf16":  # q from bfloat16 logits: rejection sampling must still see the q it drew from
         drafter.compute_dtype = "bfloat16"
@@ -120,6 +124,7 @@ def diffusion_drafter(kind, target):
 @pytest.mark.parametrize("kind, setting", [("block", "temperature"), ("block", "top_k"),
                                            ("block-multistep", "temperature"), ("masked", "temperature"),
                                            ("conditioned", "temperature"), ("conditioned", "top_p"),
+                                           ("conditioned-hints", "temperature"),
                                            ("conditioned-bf16", "temperature"), ("block-bf16", "temperature"),
                                            ("block-draft-vocab", "temperature")])
 def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting, monkeypatch):

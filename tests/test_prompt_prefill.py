@@ -259,3 +259,26 @@ def test_a_fixed_capacity_grown_since_the_prefill_is_not_kept(monkeypatch):
     assert target.forward_passes == 2
     target.prefill(ids, 16)
     assert target.forward_passes == 2
+
+
+@pytest.mark.parametrize("kernels", ["stock", "auto"])
+def test_a_model_built_under_inference_mode_serves_and_keeps_its_prefill(kernels):
+    """Weights made under torch.inference_mode() (a model built or loaded there) keep no in-place version: the
+    weights' state key (packed_linear.module_state, and the packed kernels' weight_key) read it and every request
+    failed ("Inference tensors do not track version counter"), the conditioned drafter's stacked weights too."""
+    from test_diffusion_drafters import conditioned_for
+
+    with torch.inference_mode():
+        model = make_model(V, seed=3, dtype=torch.float32)
+    target = Target(model, kernels=kernels)
+    want = reference_greedy(model, PROMPT, 12, stop_ids=())
+    for drafter in (PromptLookupDrafter(), None):
+        target.reset()
+        engine = SpeculativeEngine(target, drafter, FixedPolicy(3))
+        runs = [engine.generate(PROMPT, max_new_tokens=12, stop_token_ids=[]) for _ in range(2)]
+        assert [r.token_ids for r in runs] == [want, want]
+        assert [r.prefill_forward_passes for r in runs] == [1, 0]
+    with torch.inference_mode():
+        drafter = conditioned_for(target)
+    r = SpeculativeEngine(target, drafter, FixedPolicy(3)).generate(PROMPT, max_new_tokens=12, stop_token_ids=[])
+    assert r.token_ids == want and r.drafter_forward_passes > 0

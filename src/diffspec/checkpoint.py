@@ -68,7 +68,7 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
     if kind == "conditioned":
         cfg = drafter.cfg
         meta.update(mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, logit_shift=False,
-                    draft_vocab=cfg.draft_vocab)
+                    draft_vocab=cfg.draft_vocab, lookup_hints=cfg.lookup_hints)
         config = dflash_config_dict(cfg, dtype)
         save_file(_stored(drafter.model.state_dict(), dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     else:
@@ -210,6 +210,13 @@ def _draft_token_ids(path: Path, meta: dict) -> Optional[torch.Tensor]:
     return ids.long()
 
 
+def _flag(value, name: str, path: Path) -> bool:
+    if not isinstance(value, bool):
+        raise DiffspecError(f"drafter folder {path}: config.json's 'diffspec' setting {name} must be true or false, "
+                            f"got {value!r}")
+    return value
+
+
 def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device: str) -> ConditionedDraftModel:
     dcfg = config.get("dflash_config", {})
     try:
@@ -224,7 +231,8 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))),
             max_position_embeddings=config.get("max_position_embeddings", 8192),
-            draft_vocab=int((config.get("diffspec") or {}).get("draft_vocab", 0)))
+            draft_vocab=int((config.get("diffspec") or {}).get("draft_vocab", 0)),
+            lookup_hints=_flag((config.get("diffspec") or {}).get("lookup_hints", False), "lookup_hints", path))
     except KeyError as e:
         raise DiffspecError(f"conditioned drafter config in {path} lacks the field {e}") from None
     weights = path / "model.safetensors"

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-drafter", default=None, metavar="DRAFTER",
                    help="start from this conditioned drafter's weights and shape (a folder, or 'shipped': the one "
                         "that ships for the target) instead of the target's first layers; its block size may differ")
+    t.add_argument("--lookup-hints", action="store_true", default=None,
+                   help="conditioned kind: the block's slots carry prompt lookup's copy from the context (where it "
+                        "has one) instead of masks, in training and when served; the drafter learns when to keep "
+                        "the copy (default: off, or --init-drafter's). Not a DFlash layout: not exported")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
     t.add_argument("--fc-init", default=None, choices=FC_INITS,
                    help="conditioned kind from the target: the feature projection fc passing the lowest target "
@@ -344,7 +348,7 @@ def _train(args) -> int:
                        seed=args.seed, device=args.device, train_dtype=args.train_dtype,
                        feature_cache=args.feature_cache, resume=args.resume, draft_vocab=args.draft_vocab,
                        init_from_target=not args.no_init_from_target, init_drafter=args.init_drafter,
-                       fc_init=args.fc_init,
+                       fc_init=args.fc_init, lookup_hints=args.lookup_hints,
                        held_out=args.held_out,
                        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, eval_anchors=args.eval_anchors,
                        data_fraction=args.data_fraction, profile_steps=args.profile_steps)

@@ -58,6 +58,11 @@ def export_dflash(drafter, out, target=None, dtype: torch.dtype = torch.float16,
         raise DiffspecError(f"--format dflash holds target-conditioned drafters; '{drafter.describe()}' is a "
                             f"{_kind_of(drafter)} drafter, which the DFlash layout has no place for")
     meta = dict(meta or {})
+    if drafter.cfg.lookup_hints:
+        raise DiffspecError(
+            f"drafter '{drafter.name}' reads prompt lookup's copy in its block (lookup hints, diffspec's own); DFlash "
+            f"engines fill the block with masks only, so these weights would draft there from inputs they were not "
+            f"trained on. Serve it with diffspec, or train a drafter without --lookup-hints for DFlash engines")
     if drafter.cfg.draft_vocab:
         if not full_vocab:
             raise DiffspecError(

@@ -14,7 +14,8 @@ its `draft_token_ids` buffer). DFlash scores the whole head, so the same weights
 other tokens there. Such a drafter is therefore not a DFlash checkpoint: its folder says
 `architectures: ["DiffspecConditionedDraftModel"]`, and `export_dflash` refuses it unless asked
 to drop the restriction (`full_vocab=True`: the same weights drafting over the whole vocabulary,
-a different drafter - still lossless anywhere, its acceptance is its own).
+a different drafter - still lossless anywhere, its acceptance is its own). A drafter with lookup hints
+(`lookup_hints`: prompt lookup's copy in its block's slots) is diffspec's own likewise, and not exported.
 
 Here: `dflash_config_dict` (the config of a folder diffspec writes), `unsupported_features` /
 `check_supported` (a DFlash folder using what diffspec does not implement - DFlash 2, sliding-window
@@ -34,14 +35,15 @@ from .drafters.conditioned import ConditionedConfig
 from .errors import DiffspecError
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-REDUCED_VOCAB_ARCHITECTURE = "DiffspecConditionedDraftModel"  # diffspec-only: a reduced draft vocabulary
+REDUCED_VOCAB_ARCHITECTURE = "DiffspecConditionedDraftModel"  # diffspec-only: a reduced draft vocabulary, lookup hints
 
 
 def dflash_config_dict(cfg: ConditionedConfig, dtype: torch.dtype) -> dict:
     """config.json of a conditioned drafter (a Qwen3 config plus DFlash's fields). A reduced draft
     vocabulary is diffspec's own: such a folder does not claim DFlash's architecture."""
     return {
-        "architectures": [REDUCED_VOCAB_ARCHITECTURE if cfg.draft_vocab else DFLASH_ARCHITECTURE], "model_type": "qwen3",
+        "architectures": [REDUCED_VOCAB_ARCHITECTURE if cfg.draft_vocab or cfg.lookup_hints else DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
         "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "hidden_act": "silu",
@@ -102,4 +104,4 @@ def is_dflash_folder(path) -> bool:
         return False
     config = json.loads(cfg_file.read_text())
     return config.get("architectures") == [DFLASH_ARCHITECTURE] and not unsupported_features(config) \
-        and not (config.get("diffspec") or {}).get("draft_vocab")
+        and not (config.get("diffspec") or {}).get("draft_vocab") and not (config.get("diffspec") or {}).get("lookup_hints")

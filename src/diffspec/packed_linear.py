@@ -78,7 +78,14 @@ class PackedWeight:
 
 def weight_state(weight: torch.Tensor) -> tuple:
     """What a pack of `weight` depends on: its storage, dtype, device and in-place version."""
-    return (weight.data_ptr(), weight.dtype, weight.device.type, tuple(weight.shape), weight._version)
+    return (weight.data_ptr(), weight.dtype, weight.device.type, tuple(weight.shape), version_of(weight))
+
+
+def version_of(t: torch.Tensor) -> Optional[int]:
+    """A tensor's in-place version; None for an inference tensor (one made under `torch.inference_mode()`, e.g. a
+    model built or loaded there), which keeps no version counter: an in-place edit of it (possible only inside
+    inference mode) is not seen, as an edit through `p.data` is not."""
+    return None if t.is_inference() else t._version
 
 
 def module_state(module: torch.nn.Module) -> tuple:
@@ -93,7 +100,7 @@ def module_state(module: torch.nn.Module) -> tuple:
         stack.extend(c for c in m._modules.values() if c is not None)
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:
-                state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()))
+                state.append((id(t), t.data_ptr(), version_of(t), t.dtype, t.device, t.shape, t.stride()))
     return tuple(state)
 
 

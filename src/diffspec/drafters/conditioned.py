@@ -15,6 +15,14 @@ q_norm/k_norm, mlp.gate_proj, fc, hidden_norm, norm; Qwen3 config fields plus bl
 mask_token_id, target_layer_ids, num_target_layers) so a folder we write is a DFlash checkpoint -
 unless it drafts from a reduced vocabulary (`draft_vocab`), which DFlash has no place for
 (dflash_layout.py). `block_logits` is the one pass, compared with the reference's in the tests.
+
+Lookup hints (`lookup_hints`, diffspec's own, trained with `train-drafter --lookup-hints`): the block's
+slots carry what prompt lookup copies from the context after the anchor, where it copies anything, and
+masks past that. The drafter reads the copy as a proposal it may keep or overrule: where the context
+repeats, prompt lookup's first token is right ~72-86% of the time on this project's bench answers, a
+mask-only drafter's ~30% (README, "Where the shipped drafter is right"). The hints are a function of
+the context alone (the same `NgramIndex.continuation` in serving and in training), so the drafts stay
+one pass of a deterministic function of the context: verification is unchanged and exact.
 """
 
 from __future__ import annotations
@@ -37,6 +45,30 @@ from .compile_choice import CompilesPasses
 from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, cache_dtype,
                                context_into_cache, matmul, uses_kernel)
 from .dtype_choice import ChoosesDtype
+from .prompt_lookup import NgramIndex
+
+HINT_NGRAMS = (3, 2)  # the lookup hints' n-grams, longest and shortest: PromptLookupDrafter's defaults
+
+
+def hint_index() -> NgramIndex:
+    """A fresh index for one request's (or one training sequence's) lookup hints."""
+    return NgramIndex(*HINT_NGRAMS)
+
+
+def lookup_hint_slots(rows: list, seq: list, anchor: list, block_size: int, fill: int) -> torch.Tensor:
+    """The drafted slots of hinted blocks: for block m (the ids of sequence rows[seq[m]] up to its anchor
+    anchor[m]), slots 1..B-1 carry the tokens prompt lookup copies after those ids (`NgramIndex.continuation`, as
+    the drafter does when serving), `fill` (the mask token) past the copy or where nothing matches.
+    -> [M, B-1] int64. Blocks are visited by sequence and rising anchor, so each sequence is indexed once."""
+    out = torch.full((len(seq), block_size - 1), fill, dtype=torch.long)
+    index, current = None, None
+    for m in sorted(range(len(seq)), key=lambda m: (seq[m], anchor[m])):
+        if seq[m] != current:
+            index, current = hint_index(), seq[m]
+        copied = index.continuation(rows[seq[m]][: anchor[m] + 1], block_size - 1)
+        if copied:
+            out[m, : len(copied)] = torch.tensor(copied, dtype=torch.long)
+    return out
 
 
 def default_target_layers(num_target_layers: int, count: int = 3) -> list:
@@ -65,10 +97,11 @@ class ConditionedConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     draft_vocab: int = 0      # > 0: draft only from these many target tokens (ids in the model's draft_token_ids)
+    lookup_hints: bool = False  # the block's slots carry prompt lookup's copy where it has one (lookup_hint_slots)
 
     @classmethod
     def for_target(cls, target_config, mask_token_id: int, num_hidden_layers: int = 1, block_size: int = 16,
-                   num_features: int = 3, draft_vocab: int = 0) -> "ConditionedConfig":
+                   num_features: int = 3, draft_vocab: int = 0, lookup_hints: bool = False) -> "ConditionedConfig":
         """Shapes copied from the target's config (width must equal the target's hidden size)."""
         c = target_config.get_text_config(decoder=True)
         heads = c.num_attention_heads
@@ -81,7 +114,8 @@ class ConditionedConfig:
                    vocab_size=c.vocab_size, mask_token_id=mask_token_id, num_hidden_layers=num_hidden_layers,
                    block_size=block_size, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
                    rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192), draft_vocab=draft_vocab)
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192), draft_vocab=draft_vocab,
+                   lookup_hints=lookup_hints)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -330,6 +364,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         else:
             self._cache = ContextCache(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim,
                                        param.dtype, param.device)
+        self._hints = hint_index() if self.cfg.lookup_hints else None  # this request's lookup hints
         self._context_len = 0  # positions whose target features were observed (in the cache or _pending)
         self._pending: list = []  # (features [m, F], start) observed, not yet turned into keys/values
 
@@ -367,7 +402,8 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
     @torch.inference_mode()
     def block_logits(self, context: torch.Tensor) -> torch.Tensor:
-        """The one drafter pass: block [context[-1], mask, ..., mask] at positions n-1.. -> logits
+        """The one drafter pass: block [context[-1], mask, ..., mask] at positions n-1.. (with lookup hints, the
+        slots prompt lookup covers carry its copy instead of the mask: lookup_hint_slots) -> logits
         [block_size - 1, draft vocabulary or head rows] for the tokens after context. Needs the
         target's features for every position but the last (observe)."""
         cfg = self.cfg
@@ -380,6 +416,10 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         dtype = next(self.model.parameters()).dtype
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = context[-1]
+        if self._hints is not None:  # prompt lookup's copy in the slots it covers (masks past it)
+            copied = self._hints.continuation(context.tolist(), cfg.block_size - 1)
+            if copied:
+                block[1: 1 + len(copied)] = torch.tensor(copied, dtype=torch.long, device=context.device)
         self._cache.reserve(anchor + cfg.block_size)
         cos, sin = self._rope.rows(anchor, cfg.block_size, dtype, context.device)
         # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
@@ -411,10 +451,11 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         # 1: 52bd839's lean pass (the reference module pass before it: ~2x the time a round); 2: context keys and
         # values kept in float32 (cache_dtype), attention's products in float32; 3: the head kept in the chosen dtype
         # when attached again (33b4a2a: rounds calibrated before it cost 2-3x, the head in float32)
-        return f"lean pass 3 ({kernel})"
+        return f"lean pass 3 ({kernel}{', lookup hints' if self.cfg.lookup_hints else ''})"
 
     def describe(self) -> str:
         dtype = self._dtype_text()
+        hints = ", prompt-lookup hints in its block" if self.cfg.lookup_hints else ""
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
-               f"target layers {list(self.cfg.target_layer_ids)}, {dtype}{self._compile_text()})"
+               f"target layers {list(self.cfg.target_layer_ids)}{hints}, {dtype}{self._compile_text()})"
 

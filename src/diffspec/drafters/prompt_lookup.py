@@ -141,6 +141,15 @@ class NgramIndex:
                 return best_of(self.ids, ends[-self.candidates:], ids, n, self.max_match)
         return NO_MATCH
 
+    def continuation(self, ids: list, count: int) -> list:
+        """The tokens prompt lookup copies after `ids` (a list), at most `count`; [] where nothing matches: what a
+        PromptLookupDrafter without history drafts there at a fixed length `count` (the same index, the same match).
+        `ids` is indexed as `find` indexes a context: a list that extends the last one costs only its new tokens.
+        The one rule for a conditioned drafter's lookup hints, in serving and in training alike."""
+        self._extend(ids)
+        match = self.lookup(ids, longest=len(ids) - 1)
+        return [] if match.start < 0 else self.ids[match.start: match.start + count]
+
     def append(self, ids: list, keep: int) -> None:
         """Add `ids` after what is indexed; past `keep` tokens, only the newest keep // 2 stay (indexed afresh:
         a rebuild once every keep // 2 tokens added, not one each time)."""

@@ -1,6 +1,7 @@
 """One drafter forward/backward over every anchor of every sequence in a batch (conditioned kind).
 
-A block for anchor a is [token a, mask x (B-1)] at positions a..a+B-1. Its queries see the target's
+A block for anchor a is [token a, mask x (B-1)] at positions a..a+B-1 (a drafter with lookup hints: prompt
+lookup's copy after token a in the slots it covers, drafters/conditioned.py). Its queries see the target's
 features of positions STRICTLY before a (at serving time the anchor's own features do not exist
 yet) and their own block, bidirectionally; never another block. Rather than one dense mask over
 [context ; all blocks] (A*B x (C + A*B), almost all of it False), each layer's attention is computed
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..drafters.conditioned import ConditionedDraftModel, rotary
+from ..drafters.conditioned import ConditionedDraftModel, lookup_hint_slots, rotary
 from .batches import draft_index, slot_weights
 
 
@@ -169,6 +170,9 @@ class AnchoredLoss(nn.Module):
         layout = AnchorLayout(seq, slot, anchors[seq, slot], N, anchors.shape[1])
         block = torch.full((seq.shape[0], B), cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = tokens[seq, layout.anchor]
+        if cfg.lookup_hints:  # prompt lookup's copy after each anchor, as the drafter sees it when serving
+            block[:, 1:] = lookup_hint_slots(tokens.tolist(), seq.tolist(), layout.anchor.tolist(), B,
+                                             cfg.mask_token_id).to(dev)
         C = max(1, int(layout.anchor.max())) if seq.numel() else 1   # features of positions < the last anchor
         hidden = anchored_block_states(model, F.embedding(block, embed_weight).to(dtype), layout,
                                        target_hidden[:, :C].to(dtype))

@@ -81,6 +81,7 @@ class TrainRequest:
     init_from_target: bool = True
     fc_init: Optional[str] = None       # conditioned kind from the target: fc lowest-layer or random (None: DEFAULT_FC_INIT)
     init_drafter: Optional[str] = None  # start from this conditioned drafter (a folder, or 'shipped'): its shape and weights
+    lookup_hints: Optional[bool] = None  # conditioned kind: prompt lookup's copy in the block (None: off, or init_drafter's)
     held_out: int = 64                  # store sequences held out (at most; ~5% of a small store)
     eval_prompts: int = 10              # health check: prompts per evaluation set (0: skip)
     eval_tokens: int = 128              # health check: tokens the target answers per prompt
@@ -91,7 +92,7 @@ class TrainRequest:
 
 # what a resumed run must share with the run that wrote the checkpoint (the batches, anchors and model depend on them)
 RESUME_FIELDS = ("kind", "data_fraction", "seq_len", "block_size", "layers", "anchors", "batch_sequences", "seed",
-                 "objective", "off_path_slots", "draft_vocab", "held_out", "init_drafter")
+                 "objective", "off_path_slots", "draft_vocab", "held_out", "init_drafter", "lookup_hints")
 DEFAULT_LAYERS, DEFAULT_DRAFT_VOCAB, DEFAULT_FC_INIT = 2, 8192, "lowest-layer"
 DISTILL_TOP_K = 32  # --objective distill: the target's K most likely tokens per position (renormalised) are the label
 
@@ -115,6 +116,8 @@ def validate(req: TrainRequest) -> None:
         if req.kind != "conditioned" or req.init_drafter is not None or not req.init_from_target:
             raise DiffspecError("--fc-init applies to --kind conditioned started from the target (not with "
                                 "--init-drafter or --no-init-from-target)")
+    if req.lookup_hints and req.kind != "conditioned":
+        raise DiffspecError("--lookup-hints applies to --kind conditioned (the block kind denoises its own block)")
     if req.off_path_slots and (req.kind != "conditioned" or req.objective == "corpus"):
         raise DiffspecError("--off-path-slots applies to --kind conditioned with --objective target or distill (the "
                             "block kind sees the data's tokens in its block; corpus labels are the data itself)")
@@ -277,7 +280,8 @@ class ConditionedTrainer:
             ids, coverage = _draft_ids(req, target, train)
             cfg = ConditionedConfig.for_target(target.model.config, mask_token_id=mask,
                                                num_hidden_layers=req.layers or DEFAULT_LAYERS,
-                                               block_size=req.block_size, draft_vocab=0 if ids is None else ids.numel())
+                                               block_size=req.block_size, draft_vocab=0 if ids is None else ids.numel(),
+                                               lookup_hints=bool(req.lookup_hints))
             self.model = ConditionedDraftModel(cfg).to(device)
             if ids is not None:
                 self.model.draft_token_ids.copy_(ids)
@@ -293,7 +297,7 @@ class ConditionedTrainer:
                                         greedy_path_only=not req.off_path_slots)
         self.cache: dict = {}
         self.record.update({"init_tensors_from_target": copied, "layers": cfg.num_hidden_layers,
-                            "draft_vocab": cfg.draft_vocab,
+                            "draft_vocab": cfg.draft_vocab, "lookup_hints": cfg.lookup_hints,
                             "draft_vocab_coverage": round(coverage, 4), "target_layer_ids": list(cfg.target_layer_ids)})
 
     def _from_drafter(self, target, train: list, device: str) -> tuple:
@@ -314,7 +318,8 @@ class ConditionedTrainer:
             if theirs != ours:
                 raise DiffspecError(f"--init-drafter {path} was made for a target with {what} {theirs}; this "
                                     f"target has {ours}")
-        cfg = replace(loaded.model.cfg, block_size=self.req.block_size)
+        cfg = replace(loaded.model.cfg, block_size=self.req.block_size,
+                      lookup_hints=loaded.model.cfg.lookup_hints if self.req.lookup_hints is None else self.req.lookup_hints)
         model = ConditionedDraftModel(cfg)
         model.load_state_dict(loaded.model.state_dict())
         coverage = draft_vocab_coverage(response_token_counts(train, target.vocab_size), model.draft_token_ids) \
