@@ -141,14 +141,40 @@ def test_a_hinted_drafter_is_lossless_and_its_setting_survives_a_save(tmp_path, 
         export_dflash(drafter, tmp_path / "dflash", target)
     plain = ConditionedDrafter(hinted(tiny_model, hints=False))
     assert not load_drafter(save_drafter(plain, tmp_path / "p"), dtype=torch.float64).cfg.lookup_hints
-    config = (path / "config.json").read_text().replace('"lookup_hints": true', '"lookup_hints": "yes"')
-    (path / "config.json").write_text(config)
+    good = (path / "config.json").read_text()
+    (path / "config.json").write_text(good.replace('"lookup_hints": true', '"lookup_hints": "yes"'))
     with pytest.raises(DiffspecError, match="lookup_hints must be true or false"):
+        load_drafter(path)
+    (path / "config.json").write_text(good.replace("n-grams 3 down to 2", "n-grams 4 down to 2"))
+    with pytest.raises(DiffspecError, match="was trained with lookup hints from"):  # other hints than it learned
         load_drafter(path)
 
 
-def test_train_drafter_refuses_hints_for_the_block_kind():
+def test_the_engine_drafts_from_hinted_blocks(monkeypatch, target, tiny_model):
+    """Through the engine (not only block_logits): the rounds build hinted blocks from the request's context, and a
+    second, shorter request is hinted from its own context only."""
+    from diffspec.drafters.prompt_lookup import NgramIndex
+
+    seen, real = [], NgramIndex.continuation
+    monkeypatch.setattr(NgramIndex, "continuation", lambda self, ids, count: seen.append(list(ids)) or real(self, ids, count))
+    drafter = ConditionedDrafter(hinted(tiny_model, block_size=6, seed=4))
+    engine = SpeculativeEngine(target, drafter, FixedPolicy(5))
+    first, second = [5, 6, 7, 5, 6, 7, 5, 6] * 3, [9, 8, 9, 8]
+    for prompt in (first, second):
+        seen.clear()
+        r = engine.generate(prompt, max_new_tokens=16, stop_token_ids=[])
+        assert r.drafter_forward_passes == len(seen) > 0
+        contexts = [prompt + r.token_ids[: len(ctx) - len(prompt)] for ctx in seen]
+        assert seen == contexts  # every round's hints came from exactly the request's tokens so far
+        assert any(real(hint_index(), ctx, 5) for ctx in seen)  # and some rounds had a copy to hint
+
+
+def test_train_drafter_refuses_hints_for_the_block_kind_and_reads_the_flag():
+    from diffspec.cli import build_parser
     from diffspec.training.run import TrainRequest, validate
 
     with pytest.raises(DiffspecError, match="--lookup-hints applies to --kind conditioned"):
         validate(TrainRequest(out="x", kind="block", lookup_hints=True, steps=1))
+    parse = build_parser().parse_args
+    assert [parse(["train-drafter", "--out", "x", *flag]).lookup_hints
+            for flag in ([], ["--lookup-hints"], ["--no-lookup-hints"])] == [None, True, False]

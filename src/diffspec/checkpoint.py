@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from .dflash_layout import check_supported, dflash_config_dict
 from .drafters.block_diffusion import BlockDiffusionConfig, BlockDiffusionDrafter
-from .drafters.conditioned import ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
+from .drafters.conditioned import HINT_RULE, ConditionedConfig, ConditionedDrafter, ConditionedDraftModel
 from .drafters.masked_diffusion import MaskedDiffusionConfig, MaskedDiffusionDrafter
 from .errors import DiffspecError
 
@@ -69,6 +69,8 @@ def save_drafter(drafter, path, target_name: Optional[str] = None, target_vocab_
         cfg = drafter.cfg
         meta.update(mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, logit_shift=False,
                     draft_vocab=cfg.draft_vocab, lookup_hints=cfg.lookup_hints)
+        if cfg.lookup_hints:
+            meta["lookup_hint_rule"] = HINT_RULE
         config = dflash_config_dict(cfg, dtype)
         save_file(_stored(drafter.model.state_dict(), dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     else:
@@ -235,6 +237,10 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
             lookup_hints=_flag((config.get("diffspec") or {}).get("lookup_hints", False), "lookup_hints", path))
     except KeyError as e:
         raise DiffspecError(f"conditioned drafter config in {path} lacks the field {e}") from None
+    rule = (config.get("diffspec") or {}).get("lookup_hint_rule")
+    if cfg.lookup_hints and rule != HINT_RULE:
+        raise DiffspecError(f"drafter folder {path} was trained with lookup hints from {rule!r}; this diffspec makes "
+                            f"them by {HINT_RULE!r}: it would draft from inputs it was not trained on")
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise DiffspecError(f"drafter folder {path} has no model.safetensors")

@@ -109,10 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-drafter", default=None, metavar="DRAFTER",
                    help="start from this conditioned drafter's weights and shape (a folder, or 'shipped': the one "
                         "that ships for the target) instead of the target's first layers; its block size may differ")
-    t.add_argument("--lookup-hints", action="store_true", default=None,
+    t.add_argument("--lookup-hints", action=argparse.BooleanOptionalAction, default=None,
                    help="conditioned kind: the block's slots carry prompt lookup's copy from the context (where it "
                         "has one) instead of masks, in training and when served; the drafter learns when to keep "
-                        "the copy (default: off, or --init-drafter's). Not a DFlash layout: not exported")
+                        "the copy (default: off, or --init-drafter's; --no-lookup-hints turns them off). Not a DFlash "
+                        "layout: not exported")
     t.add_argument("--no-init-from-target", action="store_true", help="random init instead of the target's first layers")
     t.add_argument("--fc-init", default=None, choices=FC_INITS,
                    help="conditioned kind from the target: the feature projection fc passing the lowest target "

@@ -45,9 +45,12 @@ from .compile_choice import CompilesPasses
 from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, cache_dtype,
                                context_into_cache, matmul, uses_kernel)
 from .dtype_choice import ChoosesDtype
-from .prompt_lookup import NgramIndex
+from .prompt_lookup import CANDIDATES, MAX_MATCH, NgramIndex
 
 HINT_NGRAMS = (3, 2)  # the lookup hints' n-grams, longest and shortest: PromptLookupDrafter's defaults
+# what a hinted drafter was trained with, kept in its folder: other hints would be inputs it never saw
+HINT_RULE = (f"prompt lookup over the context: n-grams {HINT_NGRAMS[0]} down to {HINT_NGRAMS[1]}, the longest match "
+             f"of the latest {CANDIDATES} up to {MAX_MATCH} tokens")
 
 
 def hint_index() -> NgramIndex:

@@ -479,11 +479,12 @@ def _train(req: TrainRequest, world: World) -> dict:
     # the shape the run has, not how it was asked for (--layers 2 and no --layers are the same run)
     same_run.update(layers=trainer.record["layers"],
                     draft_vocab=trainer.record["draft_vocab"] if req.init_drafter is not None
-                    else _asked_draft_vocab(req))
+                    else _asked_draft_vocab(req), lookup_hints=trainer.record.get("lookup_hints", False))
     same_run["data"] = str(Path(req.data).resolve()) if req.data else None
     if req.resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False, map_location=world.device)
         before = dict(saved.get("same_run", {}))
+        before.setdefault("lookup_hints", False)  # written before lookup hints existed: none
         if "off_path_slots" not in before:  # written before on-path labels: it trained every slot, and a block
             before["off_path_slots"] = req.kind == "conditioned"  # drafter then drafted the whole vocabulary
             if req.kind == "block":
