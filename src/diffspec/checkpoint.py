@@ -220,7 +220,7 @@ def _flag(value, name: str, path: Path) -> bool:
 
 
 def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device: str) -> ConditionedDraftModel:
-    dcfg = config.get("dflash_config", {})
+    dcfg, ours = config.get("dflash_config", {}), config.get("diffspec") or {}
     try:
         cfg = ConditionedConfig(
             hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
@@ -233,11 +233,11 @@ def load_conditioned_model(path: Path, config: dict, dtype: torch.dtype, device:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))),
             max_position_embeddings=config.get("max_position_embeddings", 8192),
-            draft_vocab=int((config.get("diffspec") or {}).get("draft_vocab", 0)),
-            lookup_hints=_flag((config.get("diffspec") or {}).get("lookup_hints", False), "lookup_hints", path))
+            draft_vocab=int(ours.get("draft_vocab", 0)),
+            lookup_hints=_flag(ours.get("lookup_hints", False), "lookup_hints", path))
     except KeyError as e:
         raise DiffspecError(f"conditioned drafter config in {path} lacks the field {e}") from None
-    rule = (config.get("diffspec") or {}).get("lookup_hint_rule")
+    rule = ours.get("lookup_hint_rule")
     if cfg.lookup_hints and rule != HINT_RULE:
         raise DiffspecError(f"drafter folder {path} was trained with lookup hints from {rule!r}; this diffspec makes "
                             f"them by {HINT_RULE!r}: it would draft from inputs it was not trained on")

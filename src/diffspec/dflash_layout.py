@@ -103,5 +103,6 @@ def is_dflash_folder(path) -> bool:
     if not cfg_file.is_file():
         return False
     config = json.loads(cfg_file.read_text())
+    ours = config.get("diffspec") or {}  # diffspec's own settings that DFlash has no place for
     return config.get("architectures") == [DFLASH_ARCHITECTURE] and not unsupported_features(config) \
-        and not (config.get("diffspec") or {}).get("draft_vocab") and not (config.get("diffspec") or {}).get("lookup_hints")
+        and not (ours.get("draft_vocab") or ours.get("lookup_hints"))
