@@ -46,10 +46,15 @@ def make(kind, target, tokenizer_size):
         return conditioned_for(target)
     if kind == "conditioned-hints":  # prompt lookup's copy in its block
         return conditioned_for(target, lookup_hints=True)
+    if kind == "conditioned-q8":  # 8-bit codes and activations, one C call a pass (conditioned_fused.py)
+        drafter = conditioned_for(target)
+        drafter.compute_dtype = "q8"
+        return drafter
     raise ValueError(kind)
 
 
-KINDS = ["block", "block-unshifted-multistep", "masked", "masked-unshifted", "conditioned", "conditioned-hints"]
+KINDS = ["block", "block-unshifted-multistep", "masked", "masked-unshifted", "conditioned", "conditioned-hints",
+         "conditioned-q8"]
 POLICIES = {
     "fixed4": lambda: FixedPolicy(4),
     "fixed13": lambda: FixedPolicy(13),                            # crosses block boundaries
@@ -340,11 +345,11 @@ def test_bfloat16_drafter_stays_lossless_and_leaves_the_target_alone(target, tin
     assert greedy_identical_drafted(engine, tiny_model) > 0 and "bfloat16" in drafter.describe()
 
 
-@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
+@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0, 9.0), torch.bfloat16), ((10.0, 9.0, 20.0), torch.float32)])
 def test_auto_dtype_follows_the_measurement(target, tiny_model, monkeypatch, timings, chosen):
     drafter = float32_drafter(target)
     weights_before = {k: v.clone() for k, v in drafter.model.state_dict().items()}
-    measured = iter(timings)  # float32 is timed first, then bfloat16
+    measured = iter(timings)  # float32 is timed first, then bfloat16, then q8 (test_conditioned_q8.py: q8 chosen)
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
     drafter.compute_dtype = "auto"
     engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
@@ -358,7 +363,8 @@ def test_auto_dtype_follows_the_measurement(target, tiny_model, monkeypatch, tim
     assert r.token_ids == reference_greedy(tiny_model, PROMPTS[1], 20, stop_ids=())
 
 
-@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
+@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0, 9.0), torch.bfloat16), ((10.0, 9.0, 20.0), torch.float32),
+                                             ((10.0, 9.0, 5.0), "q8")])
 def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, monkeypatch, timings, chosen):
     """Every engine attaches its drafter, and the auto policy's calibration builds two engines before the real one:
     after the first attach chose bfloat16, a later one gave the drafter the target's head back in the target's
@@ -375,9 +381,12 @@ def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, 
     drafter.begin(None)
     first = drafter.block_logits(context[:1])
     engine = SpeculativeEngine(target, drafter, FixedPolicy(4))  # attached again
-    assert drafter.model is model and next(drafter.model.parameters()).dtype == chosen
-    assert drafter._head_weight.dtype == head_dtype == (torch.bfloat16 if chosen == torch.bfloat16 else torch.float64)
-    assert drafter.describe() == note and f"{timings[1]:.1f}" in note
+    q8 = chosen == "q8"
+    assert drafter.model is model and drafter.computes_q8 == q8
+    assert next(drafter.model.parameters()).dtype == (torch.float32 if q8 else chosen)
+    assert drafter._head_weight.dtype == head_dtype == {torch.bfloat16: torch.bfloat16, torch.float32: torch.float64,
+                                                        "q8": torch.float32}[chosen]
+    assert drafter.describe() == note and f"{timings[1]:.1f}" in note and f"{timings[2]:.1f}" in note
     drafter.begin(None)
     assert torch.equal(drafter.block_logits(context[:1]), first)
     r = engine.generate(PROMPTS[1], max_new_tokens=20, stop_token_ids=[])

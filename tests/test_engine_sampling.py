@@ -118,6 +118,8 @@ def diffusion_drafter(kind, target):
     drafter = ConditionedDrafter(ConditionedDraftModel(cfg).to(torch.float64))
     if kind == "conditioned-bf16":  # q from bfloat16 logits: rejection sampling must still see the q it drew from
         drafter.compute_dtype = "bfloat16"
+    if kind == "conditioned-q8":  # q from the 8-bit pass's logits (conditioned_fused.py)
+        drafter.compute_dtype = "q8"
     return drafter
 
 
@@ -125,7 +127,8 @@ def diffusion_drafter(kind, target):
                                            ("block-multistep", "temperature"), ("masked", "temperature"),
                                            ("conditioned", "temperature"), ("conditioned", "top_p"),
                                            ("conditioned-hints", "temperature"),
-                                           ("conditioned-bf16", "temperature"), ("block-bf16", "temperature"),
+                                           ("conditioned-bf16", "temperature"), ("conditioned-q8", "temperature"),
+                                           ("block-bf16", "temperature"),
                                            ("block-draft-vocab", "temperature")])
 def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, kind, setting, monkeypatch):
     from diffspec import bf16_linear
@@ -136,6 +139,8 @@ def test_diffusion_drafters_sample_the_target_distribution(small_vocab_models, k
     if kind.endswith("-bf16") and bf16_linear.available() is None:  # through bf16_linear's kernel, not by timing
         monkeypatch.setattr(bf16_linear, "faster_here", lambda weights, rows: True)
     engine = SpeculativeEngine(target, diffusion_drafter(kind, target), FixedPolicy(3))
+    if kind.endswith("-q8"):
+        assert engine.drafter.computes_q8
     if kind.endswith("-bf16"):  # the drafter really computes in bf16 (the target stays as loaded)
         assert next(engine.drafter.model.parameters()).dtype == torch.bfloat16
         if bf16_linear.available() is None:  # and its matmuls run the kernel

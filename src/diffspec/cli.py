@@ -11,7 +11,7 @@
     diffspec train-drafter --out DIR [--data STORE] [--kind conditioned|block] [--epochs 3] [--max-time 1h]
                            [--block-size 16] [--anchors 512] [--layers 2] [--batch-sequences 8] [--device cpu]
                            (torchrun --nproc-per-node N -m diffspec train-drafter ... runs it data-parallel)
-    diffspec eval-drafter DRAFTER [--model M] [--dataset humaneval mtbench champ] [--num-prompts 10]
+    diffspec eval-drafter DRAFTER [--model M] [--dataset humaneval mtbench champ] [--num-prompts 10] [--drafter-dtype auto]
                           [--max-new-tokens 128] [--block-size B] [--anchors-per-sequence N] [--out DIR] [--json]
     diffspec profile [--model M] [--drafter D] [--dtype float32] [--drafter-dtype auto] [--max-context N] [--device D] [--recalibrate]
                      [--out DIR] [--json]
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--dtype", default="float32", help="target dtype (default float32: bf16 changes the target)")
     g.add_argument("--drafter-dtype", default="auto", help="what the conditioned or block-diffusion drafter computes in: auto (default: "
-                   "timed at load, bfloat16 where it is 1.2x faster) or a dtype; the output is the target's either way")
+                   "timed at load: float32, bfloat16 and, for the conditioned drafter on a CPU, q8 (8-bit weight codes and "
+                   "activations); a switch must be 1.2x faster), q8, or a dtype; the output is the target's either way")
     g.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     add_backend_option(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -212,6 +213,8 @@ def _add_eval_parser(sub, default_model: str, drafter_names) -> None:
                    help="B: B-1 drafted slots per anchor (default: the drafter's round + 1, else 16)")
     v.add_argument("--anchors-per-sequence", type=int, default=None,
                    help="evenly spaced anchors per answer (default: every position)")
+    v.add_argument("--drafter-dtype", default="auto",
+                   help="what the drafter computes in, as generate's option (default auto: what serving runs here)")
     v.add_argument("--out", default=None, help="folder for health.json and slot_acceptance.png")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -565,16 +568,17 @@ def _export(args) -> int:
 
 def _eval_drafter(args) -> int:
     check_eval_drafter_spec(args.drafter)  # names only: before torch
-    from .drafter_names import make_drafter
+    from .drafter_names import check_drafter_dtype, make_drafter
     from .evaluation import check_eval_args, evaluate_drafter, write_health
     from .target import Target
 
     check_eval_args(args.dataset, args.num_prompts, args.max_new_tokens, args.block_size, args.anchors_per_sequence)
+    check_drafter_dtype(args.drafter_dtype)
     out = Path(args.out).expanduser() if args.out else None
     if out is not None:
         check_out_folder(out)
     target = Target.load(args.model, quiet=args.json)
-    drafter = make_drafter(args.drafter, target)
+    drafter = make_drafter(args.drafter, target, compute_dtype=args.drafter_dtype)
     health = evaluate_drafter(drafter, target, sets=args.dataset, num_prompts=args.num_prompts,
                               max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               anchors_per_sequence=args.anchors_per_sequence, progress=True)

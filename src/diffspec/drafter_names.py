@@ -19,6 +19,7 @@ import torch
 from .checkpoint import PRESETS, load_drafter, random_drafter, shipped_drafter_path
 from .defaults import DRAFTER_NAMES  # noqa: F401 (the names live there, read here)
 from .devices import DTYPES
+from .drafters.dtype_choice import Q8
 from .drafters import AutoregressiveDrafter, CombinedDrafter, Drafter, PromptLookupDrafter
 from .errors import DiffspecError
 from .hub import hub_folder, looks_like_hub_id
@@ -80,16 +81,24 @@ def set_compute_dtype(drafter: Optional[Drafter], compute_dtype: Optional[str], 
     if compute_dtype not in (None, "auto") and not chooses:
         raise DiffspecError(f"a drafter dtype ({compute_dtype}) applies to the conditioned and block-diffusion drafters; "
                             f"'{spec}' computes in the target's dtype")
+    choosers = [p for p in _parts(drafter) if p.capabilities.chooses_dtype] if chooses else []
+    if compute_dtype == Q8 and not (choosers and all(getattr(p, "supports_q8", False) for p in choosers)):
+        raise DiffspecError(f"drafter dtype q8 (8-bit weight codes and activations) applies to the conditioned drafter; "
+                            f"'{spec}' has no 8-bit pass")
     if chooses:
         drafter.compute_dtype = compute_dtype
     return drafter
 
 
+def _parts(drafter: Drafter) -> list:
+    return list(getattr(drafter, "parts", [drafter]))
+
+
 def check_drafter_dtype(compute_dtype: Optional[str]) -> None:
     """None, 'auto' or a dtype name; anything else is refused by name before a model loads."""
-    if compute_dtype is not None and compute_dtype != "auto" and compute_dtype not in DTYPES:
+    if compute_dtype is not None and compute_dtype not in ("auto", Q8) and compute_dtype not in DTYPES:
         raise DiffspecError(f"unknown drafter dtype '{compute_dtype}' (--drafter-dtype / drafter_dtype; choose from: "
-                            f"auto, {', '.join(DTYPES)})")
+                            f"auto, {Q8}, {', '.join(DTYPES)})")
 
 
 def _make(spec: Optional[str], target, dtype: torch.dtype, device: str) -> Optional[Drafter]:

@@ -299,51 +299,129 @@ int64_t diffspec_fused_work_floats(int64_t n, int64_t D, int64_t H, int64_t KV, 
            + xq_floats(n, D, H, hd, F);
 }
 
+/* One decoder layer over n rows at positions start .. start + n - 1 (t: its table row). h [n, D]: the residual
+ * stream, updated in place. xn, qkv, att, gu, act, scores, xq: diffspec_fused_work_floats' parts.
+ * qk_norm: NULL (the target: Llama), or (H + KV) rows of hd floats, each query head's then each key head's RMSNorm
+ * weight, applied to that head's row before the rotary embedding (Qwen3's, and the conditioned drafter's).
+ * block: 0, row i attends to positions 0 .. start + i (causal: the target); 1, every row to 0 .. start + n - 1 (a
+ * drafter's block: its rows see each other). With qk_norm NULL and block 0 this is the target's layer exactly as
+ * before the drafter's pass shared it (the same operations in the same order). */
+INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D, int64_t H, int64_t KV, int64_t hd,
+                          int64_t F, float eps, float scale, const float *cos, const float *sin, float *h, float *xn,
+                          float *qkv, float *att, float *gu, float *act, float *scores, uint8_t *xq, int threads,
+                          const float *qk_norm, int block) {
+    const int64_t QKV = (H + 2 * KV) * hd, group = H / KV, positions = start + n;
+    const int64_t cap = t[CAPACITY];
+    float *kc = (float *)t[K_CACHE], *vc = (float *)t[V_CACHE];
+    for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[IN_NORM], D, eps, xn + i * D);
+    linear(xn, n, D, (const void *)t[QKV_CODES], (const float *)t[QKV_SCALES], (const float *)t[QKV_OFFSETS], QKV,
+           qkv, threads, xq);
+    for (int64_t i = 0; i < n; i++) {
+        float *row = qkv + i * QKV;
+        for (int64_t j = 0; j < H + KV; j++) {
+            if (qk_norm) rms_norm(row + j * hd, qk_norm + j * hd, hd, eps, row + j * hd);
+            rotate(row + j * hd, cos + i * hd, sin + i * hd, hd);
+        }
+        for (int64_t g = 0; g < KV; g++) {
+            memcpy(kc + (g * cap + start + i) * hd, row + (H + g) * hd, hd * sizeof(float));
+            memcpy(vc + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+        }
+    }
+    /* (row, head) pairs among the threads: each computed alone, by the same code, whichever thread runs it */
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * H * positions > 1024)
+    for (int64_t ji = 0; ji < n * H; ji++) {  /* a head's rows in turn: its keys and values stay in cache */
+        const int64_t j = ji / n, i = ji % n, g = j / group;
+        float *sc = scores;
+#ifdef _OPENMP
+        sc += (int64_t)omp_get_thread_num() * positions;
+#endif
+        attend(qkv + i * QKV + j * hd, kc + g * cap * hd, vc + g * cap * hd, block ? positions - 1 : start + i, hd,
+               scale, sc, att + (i * H + j) * hd);
+    }
+    linear(att, n, H * hd, (const void *)t[O_CODES], (const float *)t[O_SCALES], (const float *)t[O_OFFSETS], D,
+           xn, threads, xq);
+    for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
+    for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[POST_NORM], D, eps, xn + i * D);
+    linear(xn, n, D, (const void *)t[GU_CODES], (const float *)t[GU_SCALES], (const float *)t[GU_OFFSETS], 2 * F,
+           gu, threads, xq);
+    for (int64_t i = 0; i < n; i++) silu_times(gu + i * 2 * F, gu + i * 2 * F + F, act + i * F, F);
+    linear(act, n, F, (const void *)t[DOWN_CODES], (const float *)t[DOWN_SCALES], (const float *)t[DOWN_OFFSETS],
+           D, xn, threads, xq);
+    for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
+}
+
+/* the work buffer's parts, in diffspec_fused_work_floats' order; xq 64-byte aligned where q8 (else NULL) */
+#define WORK_PARTS(n, D, H, KV, hd, F, positions, threads, q8)                                                    \
+    float *xn = work, *qkv = xn + (n) * (D), *att = qkv + (n) * ((H) + 2 * (KV)) * (hd), *gu = att + (n) * (H) * (hd), \
+          *act = gu + (n) * 2 * (F), *scores = act + (n) * (F);                                                      \
+    uint8_t *xq = (q8) ? (uint8_t *)(((uintptr_t)(scores + (int64_t)(threads) * (positions)) + 63) & ~(uintptr_t)63) \
+                       : NULL;
+
 void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t start, int64_t D, int64_t H,
                            int64_t KV, int64_t hd, int64_t F, float eps, float scale, const float *cos,
                            const float *sin, float *h, float *hidden, float *work, int threads, int q8) {
-    const int64_t QKV = (H + 2 * KV) * hd, group = H / KV, positions = start + n;
-    float *xn = work, *qkv = xn + n * D, *att = qkv + n * QKV, *gu = att + n * H * hd, *act = gu + n * 2 * F,
-          *scores = act + n * F;
-    /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq (64-byte aligned) */
-    uint8_t *xq = q8 ? (uint8_t *)(((uintptr_t)(scores + (int64_t)threads * positions) + 63) & ~(uintptr_t)63) : NULL;
+    /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq */
+    WORK_PARTS(n, D, H, KV, hd, F, start + n, threads, q8)
+    for (int64_t l = 0; l < L; l++) {
+        decoder_layer(table + l * LAYER_FIELDS, n, start, D, H, KV, hd, F, eps, scale, cos, sin, h, xn, qkv, att, gu,
+                      act, scores, xq, threads, NULL, 0);
+        if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
+    }
+}
+
+/* The conditioned drafter's block (drafters/conditioned_fused.py): its layers over the block's n rows at positions
+ * start .., every row attending to the context's keys and values (positions 0 .. start - 1, already in the caches)
+ * and to the whole block; the block's own keys and values are written at start .. start + n - 1 (scratch: the
+ * caller does not advance its length). qk_norms: L addresses, each layer's (H + KV) x hd q/k norm weights. Then
+ * the final norm: h [n, D] holds the block's states in, its normed output out. work: diffspec_fused_work_floats. */
+void diffspec_block_layers(int64_t L, const int64_t *table, const int64_t *qk_norms, int64_t n, int64_t start,
+                           int64_t D, int64_t H, int64_t KV, int64_t hd, int64_t F, float eps, float scale,
+                           const float *cos, const float *sin, const float *final_norm, float *h, float *work,
+                           int threads, int q8) {
+    WORK_PARTS(n, D, H, KV, hd, F, start + n, threads, q8)
+    for (int64_t l = 0; l < L; l++)
+        decoder_layer(table + l * LAYER_FIELDS, n, start, D, H, KV, hd, F, eps, scale, cos, sin, h, xn, qkv, att, gu,
+                      act, scores, xq, threads, (const float *)qk_norms[l], 1);
+    for (int64_t i = 0; i < n; i++) {
+        rms_norm(h + i * D, final_norm, D, eps, xn + i * D);
+        memcpy(h + i * D, xn + i * D, D * sizeof(float));
+    }
+}
+
+/* What the context's call needs: m rows of the features' width FI, of the hidden width D, and of 2 KV hd. */
+int64_t diffspec_block_context_work_floats(int64_t m, int64_t FI, int64_t D, int64_t KV, int64_t hd) {
+    int64_t row = diffspec_q8_xrow_bytes(FI);
+    row = diffspec_q8_xrow_bytes(D) > row ? diffspec_q8_xrow_bytes(D) : row;
+    return m * D + m * 2 * KV * hd + (m * row + 63) / 4 + 16;
+}
+
+/* The target's features of m positions start .. -> the drafter's context keys and values in every layer's cache
+ * (conditioned_pass.context_into_cache's arithmetic): ctx = RMSNorm(features @ fc^T) with hidden_norm; per layer,
+ * [k, v] = ctx @ kv^T, k normed per key head (k_norms[l]: hd floats) and rotated, both written at their positions.
+ * kv_codes / kv_scales: L addresses each, the layer's key and value rows (q8_linear.c's layout where q8). */
+void diffspec_block_context(int64_t L, const int64_t *table, const int64_t *kv_codes, const int64_t *kv_scales,
+                            const int64_t *k_norms, int64_t m, int64_t start, int64_t FI, int64_t D, int64_t KV,
+                            int64_t hd, const void *fc_codes, const float *fc_scales, const float *hidden_norm,
+                            float eps, const float *cos, const float *sin, const float *features, float *work,
+                            int threads, int q8) {
+    float *ctx = work, *kv = ctx + m * D;
+    uint8_t *xq = q8 ? (uint8_t *)(((uintptr_t)(kv + m * 2 * KV * hd) + 63) & ~(uintptr_t)63) : NULL;
+    linear(features, m, FI, fc_codes, fc_scales, NULL, D, ctx, threads, xq);
+    for (int64_t i = 0; i < m; i++) rms_norm(ctx + i * D, hidden_norm, D, eps, ctx + i * D);
     for (int64_t l = 0; l < L; l++) {
         const int64_t *t = table + l * LAYER_FIELDS;
         const int64_t cap = t[CAPACITY];
         float *kc = (float *)t[K_CACHE], *vc = (float *)t[V_CACHE];
-        for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[IN_NORM], D, eps, xn + i * D);
-        linear(xn, n, D, (const void *)t[QKV_CODES], (const float *)t[QKV_SCALES], (const float *)t[QKV_OFFSETS], QKV,
-               qkv, threads, xq);
-        for (int64_t i = 0; i < n; i++) {
-            float *row = qkv + i * QKV;
-            for (int64_t j = 0; j < H + KV; j++) rotate(row + j * hd, cos + i * hd, sin + i * hd, hd);
+        linear(ctx, m, D, (const void *)kv_codes[l], (const float *)kv_scales[l], NULL, 2 * KV * hd, kv, threads, xq);
+        for (int64_t i = 0; i < m; i++) {
+            float *row = kv + i * 2 * KV * hd;
             for (int64_t g = 0; g < KV; g++) {
-                memcpy(kc + (g * cap + start + i) * hd, row + (H + g) * hd, hd * sizeof(float));
-                memcpy(vc + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+                rms_norm(row + g * hd, (const float *)k_norms[l], hd, eps, row + g * hd);
+                rotate(row + g * hd, cos + i * hd, sin + i * hd, hd);
+                memcpy(kc + (g * cap + start + i) * hd, row + g * hd, hd * sizeof(float));
+                memcpy(vc + (g * cap + start + i) * hd, row + (KV + g) * hd, hd * sizeof(float));
             }
         }
-        /* (row, head) pairs among the threads: each computed alone, by the same code, whichever thread runs it */
-#pragma omp parallel for schedule(static) num_threads(threads) if (n * H * positions > 1024)
-        for (int64_t ji = 0; ji < n * H; ji++) {  /* a head's rows in turn: its keys and values stay in cache */
-            const int64_t j = ji / n, i = ji % n, g = j / group;
-            float *sc = scores;
-#ifdef _OPENMP
-            sc += (int64_t)omp_get_thread_num() * positions;
-#endif
-            attend(qkv + i * QKV + j * hd, kc + g * cap * hd, vc + g * cap * hd, start + i, hd, scale, sc,
-                   att + (i * H + j) * hd);
-        }
-        linear(att, n, H * hd, (const void *)t[O_CODES], (const float *)t[O_SCALES], (const float *)t[O_OFFSETS], D,
-               xn, threads, xq);
-        for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
-        for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[POST_NORM], D, eps, xn + i * D);
-        linear(xn, n, D, (const void *)t[GU_CODES], (const float *)t[GU_SCALES], (const float *)t[GU_OFFSETS], 2 * F,
-               gu, threads, xq);
-        for (int64_t i = 0; i < n; i++) silu_times(gu + i * 2 * F, gu + i * 2 * F + F, act + i * F, F);
-        linear(act, n, F, (const void *)t[DOWN_CODES], (const float *)t[DOWN_SCALES], (const float *)t[DOWN_OFFSETS],
-               D, xn, threads, xq);
-        for (int64_t e = 0; e < n * D; e++) h[e] = h[e] + xn[e];
-        if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
     }
 }
 

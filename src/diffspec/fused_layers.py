@@ -57,6 +57,15 @@ def build_library(isa_flags: tuple):
     lib.diffspec_fused_layers.restype = None
     lib.diffspec_batch_attend.argtypes = [i64, i64, i64, i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr,
                                           ctypes.c_int]
+    # the conditioned drafter's block and context (drafters/conditioned_fused.py)
+    lib.diffspec_block_layers.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
+                                          ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.diffspec_block_layers.restype = None
+    lib.diffspec_block_context_work_floats.argtypes = [i64] * 5
+    lib.diffspec_block_context_work_floats.restype = i64
+    lib.diffspec_block_context.argtypes = [i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, f32,
+                                           ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.diffspec_block_context.restype = None
     lib.diffspec_batch_attend.restype = None
     lib.diffspec_packed_isa.restype = ctypes.c_char_p
     lib.diffspec_fused_elementwise_check.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr]

@@ -140,6 +140,23 @@ class Q8Weight:
         return cls(packed.kind, codes.contiguous(), padded(packed.scales), offsets, packed)
 
 
+@torch.no_grad()
+def quantized_pack(weight: torch.Tensor) -> PackedWeight:
+    """Any float weight [N, K] (K a multiple of 32) rounded to Q8_0 codes, laid out for this kernel too: per block of
+    32 inputs, scale = max|w| / 127 (float32) and code = round(w / scale). Not the weight's own values (a drafter's
+    `--drafter-dtype q8`: what it drafts with is approximate, and the target verifies every token)."""
+    w = weight.detach().to(device="cpu", dtype=torch.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 codes need rows of a multiple of {BLOCK} inputs, got {k}")
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(blocks / torch.where(scales > 0, scales, torch.ones_like(scales))).clamp_(-127, 127)
+    packed = PackedWeight("q8", codes.to(torch.int8).reshape(n, k).contiguous(), scales.reshape(n, -1).contiguous(),
+                          None)
+    return dataclasses.replace(packed, q8=Q8Weight.of(packed))
+
+
 def quantize(x: torch.Tensor, lib=None, threads: Optional[int] = None) -> torch.Tensor:
     """x [R, K] float32 -> its rows quantized in q8_linear.c's layout, uint8 [R, xrow bytes]."""
     lib = lib or library()

@@ -159,7 +159,7 @@ def _check_drafter_dtype(value: str) -> None:
     check_drafter_dtype(value)
 
 
-_DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load) or a dtype",
+_DRAFTER_DTYPE = Param("drafter_dtype", str, "auto", "what the drafter computes in: auto (timed at load), q8 or a dtype",
                        check=_check_drafter_dtype)
 
 

@@ -35,16 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import bf16_linear
+from .. import bf16_linear, fused_layers
 from ..errors import DiffspecError
 from ..policies.base import LengthPolicy
 from ..types import Draft, SamplingParams
 from .base import Drafter, DrafterCapabilities, DraftBuilder, align_logits_to_vocab, draw_tokens
 from ..timing import median_ms
+from . import conditioned_fused
 from .compile_choice import CompilesPasses
 from .conditioned_pass import (ContextCache, RopeTable, ServingPass, ServingWeights, as_matrix, cache_dtype,
                                context_into_cache, matmul, uses_kernel)
-from .dtype_choice import ChoosesDtype
+from .dtype_choice import Q8, ChoosesDtype
 from .prompt_lookup import CANDIDATES, MAX_MATCH, NgramIndex
 
 HINT_NGRAMS = (3, 2)  # the lookup hints' n-grams, longest and shortest: PromptLookupDrafter's defaults
@@ -253,6 +254,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     name = "conditioned"
     capabilities = DrafterCapabilities(gives_probabilities=True, needs_target_hidden_states=True,
                                        keeps_own_cache=True, chooses_dtype=True, compiles_passes=True)
+    supports_q8 = True  # --drafter-dtype q8: conditioned_fused.py
 
     def __init__(self, model: ConditionedDraftModel, tokenizer_fingerprint: Optional[str] = None,
                  name: str = "conditioned"):
@@ -268,6 +270,7 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._weights = ServingWeights()  # the lean pass's stacked weights (conditioned_pass.py)
         self._rope = RopeTable(model.cfg.head_dim, model.cfg.rope_theta)
         self._serving = ServingPass(model)
+        self._fused: Optional[conditioned_fused.FusedQ8Pass] = None  # the 8-bit pass, where computing in q8
         self.vocab_size: Optional[int] = None
         self.compute_dtype: Optional[str] = None  # see dtype_choice.py
         self.dtype_note = ""
@@ -314,8 +317,25 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def _compile_signature(self) -> str:
         return f"block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, draft vocabulary {self.cfg.draft_vocab}"
 
-    def _use_dtype(self, dtype: Optional[torch.dtype]) -> None:
+    def _compile_refusal(self) -> Optional[str]:
+        return "its q8 pass is one C call (conditioned_fused.py)" if self._fused is not None else None
+
+    def _q8_unavailable(self) -> Optional[str]:
+        return conditioned_fused.unavailable(next(self.model.parameters()).device)
+
+    @property
+    def computes_q8(self) -> bool:
+        return self._fused is not None
+
+    def _use_dtype(self, dtype) -> None:
+        """Compute in `dtype` (None: the model's own), or Q8: a float32 model's matrices as 8-bit codes, run by
+        conditioned_fused.FusedQ8Pass."""
         head = self.model.head_weight(self._target_head)  # the target's own tensor (shared) with a full vocabulary
+        self._fused = None
+        if dtype == Q8:
+            self.model.to(torch.float32)
+            self._fused = conditioned_fused.FusedQ8Pass(self.model)
+            dtype = torch.float32
         if dtype is not None:
             self.model.to(dtype)
             head = head.to(dtype)
@@ -398,9 +418,12 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         m = hidden.shape[0]
         self._cache.reserve(start + m + self.cfg.block_size)  # and room for the block's scratch keys/values
         cos, sin = self._rope.rows(start, m, dtype, hidden.device)
-        positions = torch.arange(start, start + m, device=hidden.device)
-        weights = weights or self._weights.current(self.model)
-        (compiled or self._context_part)(weights, self._cache, hidden, positions, cos, sin)
+        if self._fused is not None:
+            self._fused.context(self._cache, hidden, start, cos, sin)
+        else:
+            positions = torch.arange(start, start + m, device=hidden.device)
+            weights = weights or self._weights.current(self.model)
+            (compiled or self._context_part)(weights, self._cache, hidden, positions, cos, sin)
         self._cache.length = start + m
 
     @torch.inference_mode()
@@ -414,7 +437,11 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         if self._context_len != anchor:
             raise RuntimeError(f"conditioned drafter has features for {self._context_len} positions, "
                                f"context needs {anchor}: was the engine told to pass hidden states?")
-        weights = self._weights.current(self.model)  # checked once a round
+        if self._fused is not None:  # the 8-bit pass: its codes, checked once a round
+            weights = None
+            self._fused.current(self.model, self._head_weight)
+        else:
+            weights = self._weights.current(self.model)  # checked once a round
         self._flush(weights)
         dtype = next(self.model.parameters()).dtype
         block = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=context.device)
@@ -425,6 +452,8 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
                 block[1: 1 + len(copied)] = torch.tensor(copied, dtype=torch.long, device=context.device)
         self._cache.reserve(anchor + cfg.block_size)
         cos, sin = self._rope.rows(anchor, cfg.block_size, dtype, context.device)
+        if self._fused is not None:
+            return self._fused.head(self._fused.block(self._cache, self._embed(block), cos, sin)[1:])
         # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
         body = self._compiled_body(self._cache.length > 1) or self._compile_module()
         hidden = body(weights, self._cache, self._embed(block).to(dtype), cos, sin)
@@ -449,12 +478,15 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         return builder.build(1, context.device)
 
     def cost_signature(self) -> str:
+        hints = ', lookup hints' if self.cfg.lookup_hints else ''
+        if self._fused is not None:  # the 8-bit pass: fused_layers.c's source is its arithmetic
+            return f"fused q8 pass 1 ({fused_layers.kernel_key()}{hints})"
         weights = self._weights.current(self.model)
         kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
         # 1: 52bd839's lean pass (the reference module pass before it: ~2x the time a round); 2: context keys and
         # values kept in float32 (cache_dtype), attention's products in float32; 3: the head kept in the chosen dtype
         # when attached again (33b4a2a: rounds calibrated before it cost 2-3x, the head in float32)
-        return f"lean pass 3 ({kernel}{', lookup hints' if self.cfg.lookup_hints else ''})"
+        return f"lean pass 3 ({kernel}{hints})"
 
     def describe(self) -> str:
         dtype = self._dtype_text()
