@@ -113,7 +113,7 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol, expected
 
     from diffspec import make_drafter
     from diffspec.checkpoint import shipped_drafter_path
-    from diffspec.drafters import ConditionedDrafter
+    from diffspec.drafters import ConditionedDrafter, conditioned_fused
     from diffspec.drafter_names import default_drafter_name
 
     path = shipped_drafter_path(smol.name, "conditioned")
@@ -127,8 +127,11 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol, expected
     assert config["training"]["steps"] > 0 and config["target"] == smol.name
     # `auto` takes the shipped drafter exactly when its folder says measurement made it the default
     assert default_drafter_name(smol.name) == ("conditioned" if config.get("default") else "prompt-lookup")
-    # as loaded (fp32), and in bf16 with a bf16 head copy (what --drafter-dtype auto picks on bf16 CPUs)
+    # as loaded (fp32), in bf16 with a bf16 head copy (what --drafter-dtype auto picks on bf16 CPUs), and in q8 (8-bit
+    # codes, one C call a pass: what it picks on AVX2-only ones; where fused_layers.c builds, as on every CI machine)
     drafters = [make_drafter("conditioned", smol), make_drafter("conditioned", smol, compute_dtype="bfloat16")]
+    if conditioned_fused.unavailable() is None:
+        drafters.append(make_drafter("conditioned", smol, compute_dtype="q8"))
     assert all(isinstance(d, ConditionedDrafter) and str(path) in d.name for d in drafters)
     for drafter in drafters:
         accepted = 0
@@ -140,3 +143,4 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol, expected
                 accepted += r.accepted_tokens
         assert accepted > 0  # a trained drafter gets some of its drafts accepted on real prompts
     assert "bfloat16" in drafters[1].describe() and smol.model.lm_head.weight.dtype == torch.float32
+    assert all(d.computes_q8 and "q8" in d.describe() for d in drafters[2:])
