@@ -412,7 +412,7 @@ def test_a_drafter_loaded_in_bfloat16_drafts_with_a_bfloat16_head(target, tiny_m
 
 def test_a_model_converted_in_place_after_the_auto_choice_is_timed_again(target, monkeypatch):
     drafter = float32_drafter(target)
-    measured = iter((10.0, 5.0, 10.0, 9.0))  # bf16 first, then (the model back in float32) float32
+    measured = iter((10.0, 5.0, 20.0, 10.0, 9.0, 20.0))  # float32, bfloat16, q8: bf16; then (back in float32) float32
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
     drafter.compute_dtype = "auto"
     SpeculativeEngine(target, drafter, FixedPolicy(4))

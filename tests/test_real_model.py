@@ -133,11 +133,12 @@ def test_shipped_default_drafter_loads_and_is_lossless_on_smollm2(smol, expected
     if conditioned_fused.unavailable() is None:
         drafters.append(make_drafter("conditioned", smol, compute_dtype="q8"))
     assert all(isinstance(d, ConditionedDrafter) and str(path) in d.name for d in drafters)
-    for drafter in drafters:
+    for i, drafter in enumerate(drafters):
         accepted = 0
         for prompt in PROMPTS:
             ids = smol.encode_prompt(prompt)
-            for policy in (FixedPolicy(16), FailFastPolicy()):
+            # (q8 under one policy: the policies' own paths ran above; the suite's time is budgeted)
+            for policy in (FixedPolicy(16), FailFastPolicy())[: 1 if i == 2 else 2]:
                 r = SpeculativeEngine(smol, drafter, policy).generate(ids, max_new_tokens=NEW)
                 assert r.token_ids == expected[prompt], (prompt, policy.describe(), drafter.describe())
                 accepted += r.accepted_tokens

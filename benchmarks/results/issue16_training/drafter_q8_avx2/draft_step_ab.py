@@ -22,5 +22,5 @@ for path in sys.argv[1:] or ["conditioned"]:
                 res[dd].append((ctx, d._time_step(context_len=ctx)))
     row = {dd: {str(c): round(min(ms for cc, ms in v if cc == c), 2) for c in (64, 512)} for dd, v in res.items()}
     out["drafters"][path] = {"describe": {dd: d.describe() for dd, d in ds.items()}, "ms_a_step": row}
-    print(path, row)
+    print(path, row, file=sys.stderr)
 print(json.dumps(out, indent=1))
