@@ -126,7 +126,7 @@ def test_auto_leaves_q8_out_where_it_cannot_run(target, monkeypatch):
     drafter.model.to(torch.float32)
     measured = iter((10.0, 9.0))
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self, *a, **k: next(measured))
-    monkeypatch.setattr(conditioned_fused, "unavailable", lambda device="cpu": "no C compiler")
+    monkeypatch.setattr(conditioned_fused, "unavailable", lambda device="cpu", cfg=None: "no C compiler")
     drafter.compute_dtype = "auto"
     SpeculativeEngine(target, drafter, FixedPolicy(4))
     assert not drafter.computes_q8 and "q8" not in drafter.dtype_note
@@ -143,3 +143,42 @@ def test_q8_is_refused_for_drafters_without_an_8bit_pass(target, tokenizer):
         make_drafter("prompt-lookup", target, compute_dtype="q8")
     with pytest.raises(DiffspecError, match="unknown drafter dtype 'q4'.*auto, q8"):
         make_drafter("conditioned", target, compute_dtype="q4")
+
+
+def test_q8_is_refused_for_widths_the_codes_cannot_hold(target):
+    from dataclasses import replace
+
+    from diffspec.drafters import ConditionedDraftModel
+
+    cfg = replace(conditioned_for(target).cfg, intermediate_size=48)  # not a multiple of the codes' 32
+    drafter = ConditionedDrafter(ConditionedDraftModel(cfg).float())
+    drafter.compute_dtype = "q8"
+    with pytest.raises(DiffspecError, match="multiples of 32; this drafter has intermediate size 48"):
+        SpeculativeEngine(target, drafter, FixedPolicy(4))
+    drafter = ConditionedDrafter(ConditionedDraftModel(cfg).float())
+    drafter.compute_dtype = "auto"  # q8 left out, with no error: float32 or bfloat16 as measured
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert not drafter.computes_q8 and "q8" not in drafter.dtype_note
+
+
+def test_q8_after_an_explicit_q8_attach_is_left_when_asked_for_another(target, monkeypatch):
+    drafter = conditioned_for(target)
+    drafter.compute_dtype = "q8"
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert drafter.computes_q8
+    measured, timed_in_q8 = iter((10.0, 9.5, 9.0)), []  # float32, bfloat16, q8: none 1.2x faster
+
+    def time_step(self, *a, **k):
+        timed_in_q8.append(self.computes_q8)
+        return next(measured)
+    monkeypatch.setattr(ConditionedDrafter, "_time_step", time_step)
+    drafter.compute_dtype = "auto"
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert timed_in_q8 == [False, False, True]  # float32's baseline is the float model, not the q8 one left
+    assert not drafter.computes_q8 and drafter.dtype_note.startswith("float32: 10.0 ms")
+    drafter.compute_dtype = "q8"
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert drafter.computes_q8
+    drafter.compute_dtype = None  # as loaded: the float model again
+    SpeculativeEngine(target, drafter, FixedPolicy(4))
+    assert not drafter.computes_q8

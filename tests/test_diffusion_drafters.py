@@ -8,6 +8,7 @@ from conftest import make_model, reference_greedy
 from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
                                ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
+from diffspec.drafters import conditioned_fused
 from diffspec.drafters.denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, keeps_q, select_top, select_unmask
 from diffspec.policies import failfast_next_increment
 
@@ -47,6 +48,8 @@ def make(kind, target, tokenizer_size):
     if kind == "conditioned-hints":  # prompt lookup's copy in its block
         return conditioned_for(target, lookup_hints=True)
     if kind == "conditioned-q8":  # 8-bit codes and activations, one C call a pass (conditioned_fused.py)
+        if conditioned_fused.unavailable() is not None:  # no C compiler here: nothing to test
+            pytest.skip(f"fused_layers.c does not build here: {conditioned_fused.unavailable()}")
         drafter = conditioned_for(target)
         drafter.compute_dtype = "q8"
         return drafter
@@ -328,6 +331,11 @@ def greedy_identical_drafted(engine, tiny_model) -> int:
     return drafted
 
 
+def no_q8(monkeypatch):
+    """`auto` chooses between float32 and bfloat16 only (tests about those two, on any machine)."""
+    monkeypatch.setattr(ConditionedDrafter, "_q8_unavailable", lambda self: "not this test's subject")
+
+
 def float32_drafter(target):
     drafter = conditioned_for(target)
     drafter.model.to(torch.float32)
@@ -345,11 +353,12 @@ def test_bfloat16_drafter_stays_lossless_and_leaves_the_target_alone(target, tin
     assert greedy_identical_drafted(engine, tiny_model) > 0 and "bfloat16" in drafter.describe()
 
 
-@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0, 9.0), torch.bfloat16), ((10.0, 9.0, 20.0), torch.float32)])
+@pytest.mark.parametrize("timings, chosen", [((10.0, 5.0), torch.bfloat16), ((10.0, 9.0), torch.float32)])
 def test_auto_dtype_follows_the_measurement(target, tiny_model, monkeypatch, timings, chosen):
     drafter = float32_drafter(target)
     weights_before = {k: v.clone() for k, v in drafter.model.state_dict().items()}
-    measured = iter(timings)  # float32 is timed first, then bfloat16, then q8 (test_conditioned_q8.py: q8 chosen)
+    no_q8(monkeypatch)  # (with q8 as well: test_conditioned_q8.py)
+    measured = iter(timings)  # float32 is timed first, then bfloat16
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
     drafter.compute_dtype = "auto"
     engine = SpeculativeEngine(target, drafter, FixedPolicy(4))
@@ -371,6 +380,8 @@ def test_a_second_attach_keeps_the_auto_choice_head_and_all(target, tiny_model, 
     dtype (the model stayed bfloat16), and on SmolLM2 each round's head product ran in float32 through torch:
     9-12 ms a round where the choice measured ~4, and the dtype note was lost. A later attach keeps the choice
     (no second timing), its note, and drafts as the first did."""
+    if chosen == "q8" and conditioned_fused.unavailable() is not None:
+        pytest.skip(f"fused_layers.c does not build here: {conditioned_fused.unavailable()}")
     drafter = float32_drafter(target)
     measured = iter(timings)  # one timing of each dtype: a second attach that timed again would stop here
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
@@ -412,7 +423,8 @@ def test_a_drafter_loaded_in_bfloat16_drafts_with_a_bfloat16_head(target, tiny_m
 
 def test_a_model_converted_in_place_after_the_auto_choice_is_timed_again(target, monkeypatch):
     drafter = float32_drafter(target)
-    measured = iter((10.0, 5.0, 20.0, 10.0, 9.0, 20.0))  # float32, bfloat16, q8: bf16; then (back in float32) float32
+    no_q8(monkeypatch)
+    measured = iter((10.0, 5.0, 10.0, 9.0))  # bf16 first, then (the model back in float32) float32
     monkeypatch.setattr(ConditionedDrafter, "_time_step", lambda self: next(measured))
     drafter.compute_dtype = "auto"
     SpeculativeEngine(target, drafter, FixedPolicy(4))

@@ -315,13 +315,14 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         context_into_cache(self.model, weights, cache, features, positions, cos, sin)
 
     def _compile_signature(self) -> str:
-        return f"block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, draft vocabulary {self.cfg.draft_vocab}"
+        return f"block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, draft vocabulary " \
+               f"{self.cfg.draft_vocab}{', q8' if self._fused is not None else ''}"
 
     def _compile_refusal(self) -> Optional[str]:
         return "its q8 pass is one C call (conditioned_fused.py)" if self._fused is not None else None
 
     def _q8_unavailable(self) -> Optional[str]:
-        return conditioned_fused.unavailable(next(self.model.parameters()).device)
+        return conditioned_fused.unavailable(next(self.model.parameters()).device, self.cfg)
 
     @property
     def computes_q8(self) -> bool:

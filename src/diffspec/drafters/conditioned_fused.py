@@ -31,17 +31,31 @@ from typing import Optional
 import torch
 
 from .. import fused_layers, q8_linear
-from ..packed_linear import NATIVE, KernelUnavailable, module_state
+from ..packed_linear import BLOCK, NATIVE, KernelUnavailable, module_state
 from ..q8_linear import Q8Weight, quantized_pack
 
 #: fused_layers.c's table fields (enum order) the drafter's calls read
 _IN_NORM, _QKV, _O, _POST_NORM, _GU, _DOWN, _K_CACHE, _V_CACHE, _CAPACITY = 0, 1, 4, 7, 8, 11, 14, 15, 16
 
 
-def unavailable(device="cpu") -> Optional[str]:
-    """Why this pass cannot run here (None: it can): a CPU only, with fused_layers.c built."""
+def unavailable(device="cpu", cfg=None) -> Optional[str]:
+    """Why this pass cannot run here (None: it can): a CPU only, with fused_layers.c built, and (given the drafter's
+    config) widths the C call takes: every product's inputs a multiple of 32 (the codes' blocks), an even head width
+    of at most fused_layers.MAX_HEAD_DIM, query heads a multiple of the key/value heads."""
     if torch.device(device).type != "cpu":
         return f"q8 runs on a CPU only (this drafter is on {torch.device(device).type})"
+    if cfg is not None:
+        widths = {"hidden size": cfg.hidden_size, "intermediate size": cfg.intermediate_size,
+                  "attention width": cfg.num_attention_heads * cfg.head_dim,
+                  "features' width": len(cfg.target_layer_ids) * cfg.hidden_size}
+        odd = [f"{name} {w}" for name, w in widths.items() if w % BLOCK]
+        if odd:
+            return f"8-bit codes need widths that are multiples of {BLOCK}; this drafter has {', '.join(odd)}"
+        if cfg.head_dim % 2 or cfg.head_dim > fused_layers.MAX_HEAD_DIM or \
+                cfg.num_attention_heads % cfg.num_key_value_heads:
+            return (f"heads of {cfg.head_dim} dimensions ({cfg.num_attention_heads} query, {cfg.num_key_value_heads} "
+                    f"key/value): the fused call takes even widths up to {fused_layers.MAX_HEAD_DIM} and query heads "
+                    f"a multiple of the key/value heads")
     lib = fused_layers.build_library(NATIVE)
     return str(lib) if isinstance(lib, KernelUnavailable) else None
 
@@ -66,6 +80,9 @@ class FusedQ8Pass:
 
     def __init__(self, model, isa_flags: tuple = NATIVE):
         cfg = model.cfg
+        reason = unavailable("cpu", cfg)
+        if reason:
+            raise ValueError(f"fused q8 pass: {reason}")
         self.lib = fused_layers.build_library(isa_flags)
         if isinstance(self.lib, KernelUnavailable):
             raise self.lib
@@ -73,7 +90,7 @@ class FusedQ8Pass:
         self.H, self.KV, self.hd, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.F = cfg.intermediate_size
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self._key = None
+        self._key = self._head = None  # what the codes were made from (the head held: its identity is compared)
         self.weights: Optional[Q8DrafterWeights] = None
         L = cfg.num_hidden_layers
         fields = self.lib.diffspec_fused_layer_fields()
@@ -84,10 +101,10 @@ class FusedQ8Pass:
 
     def current(self, model, head: torch.Tensor) -> Q8DrafterWeights:
         """The codes of `model` and `head` (the rows the drafter scores), quantized again when either changed."""
-        key = (module_state(model), id(head), head.data_ptr(), head._version if not head.is_inference() else None)
-        if key != self._key:
+        key = (module_state(model), head.data_ptr(), head._version if not head.is_inference() else None)
+        if key != self._key or head is not self._head:
             self.weights = self._quantize(model, head)
-            self._key = key
+            self._key, self._head = key, head
         return self.weights
 
     @torch.no_grad()
@@ -141,13 +158,13 @@ class FusedQ8Pass:
         self._check_cache(cache, start + m)
         self._caches(cache)
         x = features.to(torch.float32).contiguous()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()  # held: the call reads their addresses
         threads = torch.get_num_threads()
         work = torch.empty(self.lib.diffspec_block_context_work_floats(m, fi, self.D, self.KV, self.hd))
         self.lib.diffspec_block_context(len(w.layers), ctypes.addressof(self._table), ctypes.addressof(self._kv_codes),
                                         ctypes.addressof(self._kv_scales), ctypes.addressof(self._k_norms), m, start, fi,
                                         self.D, self.KV, self.hd, w.fc.codes.data_ptr(), w.fc.scales.data_ptr(),
-                                        w.hidden_norm.data_ptr(), self.cfg.rms_norm_eps,
-                                        cos.float().contiguous().data_ptr(), sin.float().contiguous().data_ptr(),
+                                        w.hidden_norm.data_ptr(), self.cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(),
                                         x.data_ptr(), work.data_ptr(), threads, 1)
 
     @torch.inference_mode()

@@ -53,6 +53,8 @@ class ChoosesDtype:
         if request == "auto" and settled is not None and settled[0] is self.model and settled[1] == loaded:
             return  # attached again (every engine attaches; `auto`'s calibration runs two): the choice stands
         self.dtype_note, self._auto_model = "", None
+        if self.computes_q8:  # an earlier attach's q8: every choice below starts from the float model
+            self._use_dtype(None)
         if request is None or (request == "auto" and loaded != torch.float32):
             return
         if request == Q8:
@@ -80,7 +82,7 @@ class ChoosesDtype:
             try:
                 self._use_dtype(Q8)
                 times[Q8] = self._time_step()
-            except (RuntimeError, NotImplementedError, TypeError) as e:
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
                 failed.append(f"q8 failed here ({type(e).__name__}: {str(e)[:80]})")
         choice = "float32"
         for name in ("bfloat16", Q8):  # a switch must buy 1.2x over what it replaces
@@ -89,8 +91,8 @@ class ChoosesDtype:
         self.model = trial if choice == "bfloat16" else original
         self._use_dtype({"float32": None, "bfloat16": torch.bfloat16, Q8: Q8}[choice])
         others = [f"{ms:.1f} in {name}" for name, ms in times.items() if name != choice]
-        self.dtype_note = f"{choice}: {times[choice]:.1f} ms a draft step vs {', '.join(others)}" + \
-            "".join(f"; {f}" for f in failed)
+        self.dtype_note = f"{choice}: {times[choice]:.1f} ms a draft step" + \
+            (f" vs {', '.join(others)}" if others else "") + "".join(f"; {f}" for f in failed)
         self._auto_model = (self.model, next(self.model.parameters()).dtype)  # a later attach keeps it, note and all
 
     @property
