@@ -33,6 +33,7 @@ import torch
 from .. import fused_layers, q8_linear
 from ..packed_linear import BLOCK, NATIVE, KernelUnavailable, module_state
 from ..q8_linear import Q8Weight, quantized_pack
+from .conditioned_pass import stacked_layer
 
 #: fused_layers.c's table fields (enum order) the drafter's calls read
 _IN_NORM, _QKV, _O, _POST_NORM, _GU, _DOWN, _K_CACHE, _V_CACHE, _CAPACITY = 0, 1, 4, 7, 8, 11, 14, 15, 16
@@ -112,28 +113,23 @@ class FusedQ8Pass:
         H, KV, hd = self.H, self.KV, self.hd
         layers, kvs, norms = [], [], []
         for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv = quantized_pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            gate_up = quantized_pack(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            mats = (qkv.q8, quantized_pack(a.o_proj.weight).q8, gate_up.q8, quantized_pack(m.down_proj.weight).q8)
-            layers.append(mats)
-            kvs.append(qkv.q8.rows(H * hd, (H + 2 * KV) * hd, qkv))
-            qk = torch.cat([a.q_norm.weight.float().expand(H, -1), a.k_norm.weight.float().expand(KV, -1)])
-            norms.append(tuple(t.detach().float().contiguous() for t in
-                               (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qk,
-                                a.k_norm.weight)))
+            w = stacked_layer(layer)  # the lean pass's stacking (conditioned_pass.py)
+            qkv = quantized_pack(w["qkv"])
+            layers.append((qkv.q8, quantized_pack(w["o"]).q8, quantized_pack(w["gate_up"]).q8,
+                           quantized_pack(w["down"]).q8))
+            kvs.append(qkv.q8.rows(H * hd, (H + 2 * KV) * hd, qkv))  # the rows of w["kv"], as views
+            norms.append(tuple(w[name].float().contiguous() for name in ("input_norm", "post_norm", "qk_norm", "k_norm")))
         weights = Q8DrafterWeights(tuple(layers), tuple(kvs), quantized_pack(model.fc.weight).q8,
                                    quantized_pack(head).q8, tuple(norms),
                                    model.hidden_norm.weight.detach().float().contiguous(),
                                    model.norm.weight.detach().float().contiguous())
-        f = self._fields
+        f, table = self._fields, self._table
         for l, ((qkv, o, gu, down), (in_norm, post_norm, qk, k_norm), kv) in \
                 enumerate(zip(weights.layers, weights.norms, weights.kv)):
-            row = self._table
-            row[l * f + _IN_NORM] = in_norm.data_ptr()
-            row[l * f + _POST_NORM] = post_norm.data_ptr()
+            table[l * f + _IN_NORM] = in_norm.data_ptr()
+            table[l * f + _POST_NORM] = post_norm.data_ptr()
             for at, w in ((_QKV, qkv), (_O, o), (_GU, gu), (_DOWN, down)):
-                row[l * f + at], row[l * f + at + 1], row[l * f + at + 2] = w.codes.data_ptr(), w.scales.data_ptr(), 0
+                table[l * f + at: l * f + at + 3] = (w.codes.data_ptr(), w.scales.data_ptr(), 0)
             self._qk_norms[l] = qk.data_ptr()
             self._kv_codes[l], self._kv_scales[l], self._k_norms[l] = \
                 kv.codes.data_ptr(), kv.scales.data_ptr(), k_norm.data_ptr()

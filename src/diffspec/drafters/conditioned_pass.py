@@ -128,7 +128,7 @@ class ServingWeights:
         key = module_state(model)  # (once a round; what it sees and does not: packed_linear.module_state)
         if key != self._key:
             with torch.no_grad():
-                stacked = [self._stack(layer) for layer in model.layers]
+                stacked = [stacked_layer(layer) for layer in model.layers]
                 matrices = [w for layer in stacked for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
                 # bf16_linear's kernel where this model's weights are bf16 on a CPU and it measured faster here
                 use_kernel = uses_kernel(model.fc.weight) and \
@@ -140,16 +140,19 @@ class ServingWeights:
             self._key = key
         return self.weights
 
-    @staticmethod
-    def _stack(layer) -> dict:
-        a, m = layer.self_attn, layer.mlp
-        kv = torch.cat([a.k_proj.weight, a.v_proj.weight]).detach()
-        return dict(input_norm=layer.input_layernorm.weight.detach(), qkv=torch.cat([a.q_proj.weight.detach(), kv]),
-                    kv=kv, k_norm=a.k_norm.weight.detach(),
-                    qk_norm=torch.cat([a.q_norm.weight.expand(a.cfg.num_attention_heads, -1),
-                                       a.k_norm.weight.expand(a.cfg.num_key_value_heads, -1)]).detach(),
-                    o=a.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
+
+
+def stacked_layer(layer) -> dict:
+    """One drafter layer's weights as the lean pass and the q8 pass read them (LayerWeights' fields): q/k/v and
+    gate/up stacked, the key/value rows apart, the q/k norms repeated per head."""
+    a, m = layer.self_attn, layer.mlp
+    kv = torch.cat([a.k_proj.weight, a.v_proj.weight]).detach()
+    return dict(input_norm=layer.input_layernorm.weight.detach(), qkv=torch.cat([a.q_proj.weight.detach(), kv]),
+                kv=kv, k_norm=a.k_norm.weight.detach(),
+                qk_norm=torch.cat([a.q_norm.weight.expand(a.cfg.num_attention_heads, -1),
+                                   a.k_norm.weight.expand(a.cfg.num_key_value_heads, -1)]).detach(),
+                o=a.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), down=m.down_proj.weight.detach())
 
 
 MATRICES = ("qkv", "kv", "o", "gate_up", "down")  # the LayerWeights fields a matmul reads
