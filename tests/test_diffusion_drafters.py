@@ -8,7 +8,7 @@ from conftest import make_model, reference_greedy
 from diffspec import FailFastPolicy, FixedPolicy, SamplingParams, SpeculativeEngine, Target
 from diffspec.drafters import (BlockDiffusionConfig, BlockDiffusionDrafter, ConditionedConfig, ConditionedDrafter,
                                ConditionedDraftModel, MaskedDiffusionConfig, MaskedDiffusionDrafter)
-from diffspec.drafters import conditioned_fused
+from diffspec.drafters import conditioned, conditioned_fused
 from diffspec.drafters.denoising import block_causal_mask, full_mask, judge_out_of_order_one_hot, keeps_q, select_top, select_unmask
 from diffspec.policies import failfast_next_increment
 
@@ -296,6 +296,47 @@ def test_conditioned_drafter_sees_exactly_the_accepted_positions(target, tokeniz
     # every position but the last emitted token has had its target features handed over
     assert drafter._context_len == len(PROMPTS[0]) + len(r.token_ids) - 1
     assert r.drafter_forward_passes == sum(1 for x in r.rounds if x.drafted)  # one pass drafts a whole block
+
+
+@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_conditioned_head_runs_on_the_rows_the_policy_takes(target, monkeypatch, q8, sampled):
+    """One pass drafts the whole block, but the head (the widest product a row: the draft vocabulary x the width) runs
+    on the rows the policy takes, at least doubling what it drew (one token at a time: rows 1, 1, 2, 4, 1). The drafts
+    are block_logits' rows all the same: greedy tokens its argmaxes, sampled q its softmax (q8: bitwise its rows)."""
+    if q8 and conditioned_fused.unavailable() is not None:
+        pytest.skip(f"fused_layers.c does not build here: {conditioned_fused.unavailable()}")
+    drafter = conditioned_for(target, block_size=10)
+    if q8:
+        drafter.compute_dtype = "q8"
+    drafter.attach(target)
+    ctx = torch.tensor(PROMPTS[1])
+    torch.manual_seed(0)
+    drafter.begin(ctx)
+    drafter.observe(torch.randn(len(ctx) - 1, drafter.model.fc.in_features, dtype=torch.float64), 0)
+    heads = []  # the head's products, as they run
+    if q8:
+        head = drafter._fused.head
+        monkeypatch.setattr(drafter._fused, "head", lambda x: heads.append(head(x)) or heads[-1])
+    else:
+        real = conditioned.matmul
+        monkeypatch.setattr(conditioned, "matmul",
+                            lambda x, w: heads.append(real(x, w)) or heads[-1] if w is drafter._head_matrix else real(x, w))
+    sampling = SamplingParams(temperature=1.0, seed=0) if sampled else SamplingParams()
+    generator = torch.Generator().manual_seed(0) if sampled else None
+    d = drafter.propose(ctx, FixedPolicy(2), 100, sampling, generator)
+    assert [h.shape[0] for h in heads] == [2] and len(d) == 2
+    heads.clear()
+    d = drafter.propose(ctx, FailFastPolicy(tau=0.0, n=1, n_max=9), 100, sampling, generator)
+    assert [h.shape[0] for h in heads] == [1, 1, 2, 4, 1] and len(d) == 9
+    monkeypatch.undo()
+    full = drafter.block_logits(ctx)
+    drawn = torch.cat(heads)
+    assert torch.equal(drawn, full) if q8 else torch.allclose(drawn, full, rtol=0, atol=1e-9)
+    if sampled:
+        assert torch.allclose(d.probs.float(), torch.softmax(full.float(), -1), atol=1e-6)
+    else:
+        assert d.tokens.tolist() == drafter.model.to_target_ids(full.argmax(-1)).tolist()
 
 
 def test_out_of_order_tokens_are_judged_one_hot_the_rest_keep_q(target, tokenizer):

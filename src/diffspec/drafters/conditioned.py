@@ -433,6 +433,11 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         slots prompt lookup covers carry its copy instead of the mask: lookup_hint_slots) -> logits
         [block_size - 1, draft vocabulary or head rows] for the tokens after context. Needs the
         target's features for every position but the last (observe)."""
+        return self._head_logits(self._block_states(context))
+
+    def _block_states(self, context: torch.Tensor) -> torch.Tensor:
+        """block_logits' pass up to the head: the final norm's output [block_size - 1, D] of the slots after the
+        anchor (each slot's logits are the head of its row alone, so `propose` runs the head on the rows it uses)."""
         cfg = self.cfg
         anchor = context.shape[0] - 1  # the last token; the target has not processed it yet
         if self._context_len != anchor:
@@ -454,28 +459,28 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         self._cache.reserve(anchor + cfg.block_size)
         cos, sin = self._rope.rows(anchor, cfg.block_size, dtype, context.device)
         if self._fused is not None:
-            return self._fused.head(self._fused.block(self._cache, self._embed(block), cos, sin)[1:])
+            return self._fused.block(self._cache, self._embed(block), cos, sin)[1:]
         # compiled (compile_choice.py) on a context of 2+ positions: torch specialises lengths 0 and 1
         body = self._compiled_body(self._cache.length > 1) or self._compile_module()
-        hidden = body(weights, self._cache, self._embed(block).to(dtype), cos, sin)
-        return matmul(hidden[1:].to(self._head_weight.dtype), self._head_matrix)
+        return body(weights, self._cache, self._embed(block).to(dtype), cos, sin)[1:]
+
+    def _head_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The head's logits [n, draft vocabulary or head rows] of final-norm rows states [n, D]."""
+        if self._fused is not None:
+            return self._fused.head(states)
+        return matmul(states.to(self._head_weight.dtype), self._head_matrix)
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, policy: LengthPolicy, limit: int,
                 sampling: SamplingParams, generator: Optional[torch.Generator]) -> Draft:
-        cfg = self.cfg
-        logits = self.block_logits(context)  # [B-1, draft vocab or V]
-        if not cfg.draft_vocab:
-            logits = align_logits_to_vocab(logits, self.vocab_size)
-        drawn = draw_tokens(logits, sampling, generator)
-        conf, q = drawn.token_prob, drawn.q
-        if q is not None and cfg.draft_vocab:  # q over the full vocabulary: zero outside the draft vocabulary
-            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.model.draft_token_ids, q)
-        tokens = self.model.to_target_ids(drawn.tokens)
+        states = self._block_states(context)  # [B-1, D]: the one pass, over the whole block
+        rows = _DrawnRows(self, states, sampling, generator)  # the head runs on the rows the policy takes
         builder = DraftBuilder()
         for k in builder.increments(policy, limit):
-            for i in range(len(builder), min(len(builder) + k, self.max_tokens_per_round)):
-                builder.add(int(tokens[i]), float(conf[i]), None if q is None else q[i])
+            end = min(len(builder) + k, self.max_tokens_per_round)
+            rows.draw_to(end)
+            for i in range(len(builder), end):
+                builder.add(rows.tokens[i], rows.confidences[i], None if rows.q is None else rows.q[i])
         return builder.build(1, context.device)
 
     def cost_signature(self) -> str:
@@ -495,3 +500,36 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
         return f"{self.name}(block {self.cfg.block_size}, layers {self.cfg.num_hidden_layers}, " \
                f"target layers {list(self.cfg.target_layer_ids)}{hints}, {dtype}{self._compile_text()})"
 
+
+
+class _DrawnRows:
+    """One round's drafted tokens, drawn row by row as the policy asks for them: the head (an 8192-row product a
+    row) and the draw run on rows [0, end) only, at least doubling what was drawn (so a policy that asks one
+    token at a time streams the head ~log2(block) times, not once a token). Each row's logits are its own
+    head product (the q8 head computes a row alike whatever the rows beside it), so the greedy drafts are
+    block_logits' argmaxes; a sampled row is one draw from its own q, as before."""
+
+    def __init__(self, drafter: "ConditionedDrafter", states: torch.Tensor, sampling: SamplingParams,
+                 generator: Optional[torch.Generator]):
+        self.drafter, self.states, self.sampling, self.generator = drafter, states, sampling, generator
+        self.tokens: list = []
+        self.confidences: list = []
+        self.q: Optional[list] = None if sampling.greedy else []
+
+    def draw_to(self, end: int) -> None:
+        have = len(self.tokens)
+        if end <= have:
+            return
+        end = min(self.states.shape[0], max(end, 2 * have))
+        d = self.drafter
+        logits = d._head_logits(self.states[have:end])
+        if not d.cfg.draft_vocab:
+            logits = align_logits_to_vocab(logits, d.vocab_size)
+        drawn = draw_tokens(logits, self.sampling, self.generator)
+        q = drawn.q
+        if q is not None and d.cfg.draft_vocab:  # q over the full vocabulary: zero outside the draft vocabulary
+            q = q.new_zeros(q.shape[0], d.vocab_size).index_copy_(1, d.model.draft_token_ids, q)
+        self.tokens += d.model.to_target_ids(drawn.tokens).tolist()
+        self.confidences += drawn.token_prob.tolist()
+        if q is not None:
+            self.q += list(q.unbind(0))
