@@ -129,7 +129,7 @@ def test_where_the_kernel_timed_slower_the_bf16_pass_keeps_torch_matmuls(target,
     drafter.attach(target)
     weights = drafter._weights.current(drafter.model)
     assert isinstance(weights.layers[0].qkv, torch.Tensor) and isinstance(drafter._head_matrix, torch.Tensor)
-    assert drafter.cost_signature() == "lean pass 3 (torch matmuls)"
+    assert drafter.cost_signature() == "lean pass 4 (torch matmuls)"
 
 
 def test_a_bf16_drafter_keeps_its_context_in_float32_and_runs_no_bf16_attention_product(target, monkeypatch):

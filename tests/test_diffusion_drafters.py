@@ -333,10 +333,18 @@ def test_conditioned_head_runs_on_the_rows_the_policy_takes(target, monkeypatch,
     full = drafter.block_logits(ctx)
     drawn = torch.cat(heads)
     assert torch.equal(drawn, full) if q8 else torch.allclose(drawn, full, rtol=0, atol=1e-9)
+    q = torch.softmax(full.float(), -1)
     if sampled:
-        assert torch.allclose(d.probs.float(), torch.softmax(full.float(), -1), atol=1e-6)
+        assert torch.allclose(d.probs.float(), q, atol=1e-6)
+        assert torch.allclose(d.confidences, q[torch.arange(9), d.tokens], atol=1e-6)  # each token's own q
     else:
         assert d.tokens.tolist() == drafter.model.to_target_ids(full.argmax(-1)).tolist()
+        assert torch.allclose(d.confidences, q.max(-1).values, atol=1e-6)
+    heads.clear()  # a limit under the block: the head stops at it
+    monkeypatch.setattr(drafter._fused if q8 else conditioned, "head" if q8 else "matmul",
+                        (lambda x: heads.append(x.shape[0]) or head(x)) if q8 else
+                        (lambda x, w: heads.append(x.shape[0]) or real(x, w) if w is drafter._head_matrix else real(x, w)))
+    assert len(drafter.propose(ctx, FixedPolicy(13), 5, sampling, generator)) == 5 and heads == [5]
 
 
 def test_out_of_order_tokens_are_judged_one_hot_the_rest_keep_q(target, tokenizer):

@@ -486,13 +486,14 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
     def cost_signature(self) -> str:
         hints = ', lookup hints' if self.cfg.lookup_hints else ''
         if self._fused is not None:  # the 8-bit pass: fused_layers.c's source is its arithmetic
-            return f"fused q8 pass 1 ({fused_layers.kernel_key()}{hints})"
+            return f"fused q8 pass 2 ({fused_layers.kernel_key()}{hints})"  # 2: the head on the rows taken (93d636f)
         weights = self._weights.current(self.model)
         kernel = bf16_linear.isa() if isinstance(weights.fc, bf16_linear.Bf16Weight) else "torch matmuls"
         # 1: 52bd839's lean pass (the reference module pass before it: ~2x the time a round); 2: context keys and
         # values kept in float32 (cache_dtype), attention's products in float32; 3: the head kept in the chosen dtype
-        # when attached again (33b4a2a: rounds calibrated before it cost 2-3x, the head in float32)
-        return f"lean pass 3 ({kernel}{hints})"
+        # when attached again (33b4a2a: rounds calibrated before it cost 2-3x, the head in float32); 4: the head on the
+        # rows the policy takes (93d636f: a round's cost now depends on its length)
+        return f"lean pass 4 ({kernel}{hints})"
 
     def describe(self) -> str:
         dtype = self._dtype_text()
@@ -503,11 +504,15 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
 
 
 class _DrawnRows:
-    """One round's drafted tokens, drawn row by row as the policy asks for them: the head (an 8192-row product a
-    row) and the draw run on rows [0, end) only, at least doubling what was drawn (so a policy that asks one
-    token at a time streams the head ~log2(block) times, not once a token). Each row's logits are its own
-    head product (the q8 head computes a row alike whatever the rows beside it), so the greedy drafts are
-    block_logits' argmaxes; a sampled row is one draw from its own q, as before."""
+    """One round's drafted tokens, drawn as the policy asks for them: the head (the draft vocabulary's rows, or the
+    whole vocabulary's, times the width: a row's widest product) and the draw run on rows [0, end) only, at least
+    doubling what was drawn (a policy that asks one token at a time streams the head ~log2(block) times, not once
+    a token; rows drawn past what it then takes are wasted, never handed over). A row's logits are its own head
+    product: bitwise block_logits' row under q8 and bf16_linear's kernel (each computes a row alike whatever the
+    rows beside it); through torch's matmul a product of fewer rows may round differently, so a near-tie may draft
+    another token there, which changes a draft, never the output. A sampled row is one draw from its own q, as
+    before; the generator is drawn from in other chunks than before, so a seeded request samples other (equally
+    distributed) tokens than before this class."""
 
     def __init__(self, drafter: "ConditionedDrafter", states: torch.Tensor, sampling: SamplingParams,
                  generator: Optional[torch.Generator]):
