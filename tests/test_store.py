@@ -136,6 +136,35 @@ def test_seeded_order_is_a_prefix_for_every_limit_and_prompts_are_distinct(convs
     assert ordered_prompts(convs, tokenizer, 64, seed=4).prompts != full.prompts
 
 
+class FirstChunk(Exception):
+    pass
+
+
+def test_prompts_are_rendered_as_the_store_needs_them(tmp_path, target, monkeypatch):
+    """A corpus is rendered a chunk at a time, in the seeded order, not all before the first answer: rendering all
+    of ShareGPT's 61k user turns took a whole `make-data --max-time 6m` on 2 CPU cores before one answer."""
+    rng = random.Random(1)
+    many = [[{"role": "user", "content": f"q{i} " + words(rng, 2, 6)}, {"role": "assistant", "content": "ok"}]
+            for i in range(600)]
+    rendered, at_first_chunk = [], []
+    render, answer = store_mod.turn_prompt, store_mod._answer_chunk
+    monkeypatch.setattr(store_mod, "turn_prompt", lambda *a: rendered.append(1) or render(*a))
+
+    def first_chunk(model, prompts, start, n, *args, **kw):
+        at_first_chunk.append((len(rendered), start, n))
+        raise FirstChunk
+
+    monkeypatch.setattr(store_mod, "_answer_chunk", first_chunk)
+    with pytest.raises(FirstChunk):
+        build(tmp_path / "lazy", target, many, temperatures=(0.0,))
+    (seen, start, n), = at_first_chunk
+    assert start == 0 and 0 < n <= 8 and seen < 300  # ~the 256 prompts the batch probe reads, not the 600
+    monkeypatch.setattr(store_mod, "_answer_chunk", answer)
+    manifest = build(tmp_path / "some", target, many, temperatures=(0.0,), max_prompts=20)
+    assert manifest["prompts_done"] == manifest["prompts_total"] == 20 and manifest["user_turns"] == 600
+    assert manifest["user_turns_read"] < 40  # the first 20 distinct prompts' worth, not the 600
+
+
 def build(out, target, convs, **kw):
     args = dict(max_new_tokens=12, max_prompt_tokens=64, batch_size=4, temperatures=(0.0, 0.7), seed=0,
                 shard_sequences=8, progress=False)

@@ -417,7 +417,7 @@ def _make_data(args) -> int:
                            deadline=deadline, progress=not args.quiet, corpus=args.corpus,
                            decode_step=args.decode_step or "auto")
     shards = manifest["shards"]
-    if manifest["prompts_done"] == 0 and manifest["prompts_total"] > 0:
+    if manifest["prompts_done"] == 0 and manifest["prompts_total"] != 0:  # (None: prompts left, count unknown)
         choice = manifest["settings"].get("batch_choice") or {}
         pace = (f" (measured here: {choice['tokens_per_s'][str(choice['chosen'])]} generated tokens/s at batch "
                 f"{choice['chosen']})" if choice.get("tokens_per_s") else "")

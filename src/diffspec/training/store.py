@@ -22,6 +22,9 @@
   the chunk in flight; rerunning with the same settings continues after `prompts_done`.
   An answer identical to one already stored (same response tokens, whatever the prompt) is
   dropped: small targets answer many prompts with the same greeting.
+- prompts: rendered as the store needs them (`PromptStream`), in the seeded order, a chunk at a time: a time
+  budget goes to answers, not to rendering all of a corpus first. `prompts_total` in the manifest is the number
+  of distinct prompts once known (the corpus read to its end, or `max_prompts` found), None before.
 
 Layout of a store folder:
 
@@ -148,33 +151,66 @@ def _prompt_hasher(prompts: Sequence[Sequence[int]], h=None):
     return h
 
 
+class PromptStream:
+    """Every (conversation, user turn) slot of a corpus, shuffled with `seed`, rendered in that order as the store
+    needs its prompts (`ensure`): `prompts` holds the distinct ones found so far, a prefix of the full order. A
+    ShareGPT user turn takes ~3-7 ms to render (chat template, tokenizer), all 61k of them 4-7 minutes on 2 CPU
+    cores: rendered up front they took a whole `--max-time 6m` of make-data before its first answer."""
+
+    def __init__(self, convs: Sequence[list], tokenizer, max_prompt_tokens: int, seed: int, progress: bool = False):
+        self._convs, self._tokenizer, self._max_prompt_tokens = convs, tokenizer, max_prompt_tokens
+        self._slots = [(c, t) for c, conv in enumerate(convs) for t in _user_turns(conv)]
+        random.Random(seed).shuffle(self._slots)
+        self._seen: set = set()
+        self._progress = progress
+        self.prompts: list = []  # [[token id]], distinct, in the seeded order
+        self.slots_read = self.too_long = self.duplicates = 0
+
+    @property
+    def slots(self) -> int:
+        """User turns in the corpus."""
+        return len(self._slots)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.slots_read >= len(self._slots)
+
+    def ensure(self, n: int) -> int:
+        """Render until `n` distinct prompts are found or the corpus ends -> how many there are now."""
+        if len(self.prompts) >= n or self.exhausted:
+            return len(self.prompts)
+        # a bar where the wait is long enough to see (a resumed store re-renders what it answered: its check)
+        bar = _progress_bar(min(n, self.slots) - len(self.prompts), 0, self._progress and n - len(self.prompts) > 2000,
+                            desc="rendering prompts", unit="prompt")
+        try:
+            while len(self.prompts) < n and not self.exhausted:
+                c, t = self._slots[self.slots_read]
+                self.slots_read += 1
+                ids = turn_prompt(self._tokenizer, self._convs[c], t, self._max_prompt_tokens)
+                if not ids:
+                    self.too_long += 1
+                elif tuple(ids) in self._seen:
+                    self.duplicates += 1
+                else:
+                    self._seen.add(tuple(ids))
+                    self.prompts.append(ids)
+                    bar.update(1)
+        finally:
+            bar.close()
+        return len(self.prompts)
+
+    def digest(self, n: Optional[int] = None) -> str:
+        """A hash of the first n prompts (all found so far by default)."""
+        return _prompt_hasher(self.prompts[:n]).hexdigest()[:16]
+
+
 def ordered_prompts(convs: Sequence[list], tokenizer, max_prompt_tokens: int, seed: int,
                     limit: Optional[int] = None, progress: bool = False) -> PromptOrder:
     """Every (conversation, user turn) slot, shuffled with `seed`, rendered in that order until `limit`
-    distinct prompts are found (all of them without a limit). Only what is needed is tokenized: a
-    ShareGPT user turn takes ~3 ms, all 61k of them minutes (a progress bar on stderr with `progress`)."""
-    slots = [(c, t) for c, conv in enumerate(convs) for t in _user_turns(conv)]
-    random.Random(seed).shuffle(slots)
-    prompts, seen, read, too_long, dup = [], set(), 0, 0, 0
-    bar = _progress_bar(min(limit, len(slots)) if limit is not None else len(slots), 0, progress,
-                        desc="rendering prompts", unit="prompt")
-    try:
-        for c, t in slots:
-            if limit is not None and len(prompts) >= limit:
-                break
-            read += 1
-            ids = turn_prompt(tokenizer, convs[c], t, max_prompt_tokens)
-            if not ids:
-                too_long += 1
-            elif tuple(ids) in seen:
-                dup += 1
-            else:
-                seen.add(tuple(ids))
-                prompts.append(ids)
-            bar.update(1 if limit is None or len(prompts) > bar.n else 0)  # slots read, or prompts found
-    finally:
-        bar.close()
-    return PromptOrder(prompts, len(slots), read, too_long, dup)
+    distinct prompts are found (all of them without a limit): PromptStream, rendered at once."""
+    stream = PromptStream(convs, tokenizer, max_prompt_tokens, seed, progress)
+    stream.ensure(stream.slots if limit is None else limit)
+    return PromptOrder(stream.prompts, stream.slots, stream.slots_read, stream.too_long, stream.duplicates)
 
 
 # --- a preallocated KV cache for a batch of rows ------------------------------------------------
@@ -664,7 +700,7 @@ def _sample_generator(seed: int, prompt_index: int, temperature_index: int, devi
     return g
 
 
-def _open_or_start(out: Path, target, settings: StoreSettings, order: PromptOrder, header: dict) -> dict:
+def _open_or_start(out: Path, target, settings: StoreSettings, order: PromptStream, header: dict) -> dict:
     """The manifest of an existing store after checking it may be continued, or a new one."""
     if (out / MANIFEST).is_file():
         manifest = _read_manifest(out)
@@ -673,7 +709,7 @@ def _open_or_start(out: Path, target, settings: StoreSettings, order: PromptOrde
                 raise DiffspecError(f"{out} was built by {key} {manifest.get(key)!r}, not {header[key]!r}: "
                                     f"a store holds one target's answers; write to a new folder")
         done = int(manifest["prompts_done"])
-        if len(order.prompts) < done or order.digest(done) != manifest.get("prompts_done_sha256"):
+        if order.ensure(done) < done or order.digest(done) != manifest.get("prompts_done_sha256"):
             raise DiffspecError(f"{out}: the first {done} prompts of this corpus (in the seeded order) are not the "
                                 f"ones already answered (corpus, chat template or evaluation sets changed?); "
                                 f"write to a new folder")
@@ -722,8 +758,8 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     check_store_folder(out, settings)
     before = _read_manifest(out)["prompts_done"] if (out / MANIFEST).is_file() else 0
     kept, overlap = drop_evaluation_overlap(list(convs), evaluation_prompts())
-    order = ordered_prompts(kept, target.tokenizer, max_prompt_tokens, seed,
-                            limit=None if max_prompts is None else max(max_prompts, before), progress=progress)
+    order = PromptStream(kept, target.tokenizer, max_prompt_tokens, seed, progress)  # rendered as needed
+    limit = None if max_prompts is None else max(max_prompts, before)
     temps = settings.temperatures
     header = {"format": FORMAT, "version": VERSION, "target": target.name,
               "tokenizer_fingerprint": target.tokenizer_fingerprint,
@@ -731,13 +767,23 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
                            "temperatures": list(temps), "corpus": corpus, "seed": seed, "batch_size": batch_size,
                            "shard_sequences": shard_sequences, "batch_choice": None}}
     manifest = _open_or_start(out, target, settings, order, header)
-    manifest.update(prompts_total=len(order.prompts), conversations=len(kept),
-                    evaluation_overlap_dropped=overlap, user_turns=order.slots,
-                    prompts_skipped_too_long=order.too_long, duplicate_prompts_dropped=order.duplicates)
+
+    def counted() -> None:  # what the rendering found so far; prompts_total None while the corpus is not all read
+        if limit is not None and len(order.prompts) >= limit:
+            total = limit
+        else:
+            total = len(order.prompts) if order.exhausted else None
+        manifest.update(prompts_total=total, conversations=len(kept), evaluation_overlap_dropped=overlap,
+                        user_turns=order.slots, user_turns_read=order.slots_read,
+                        prompts_skipped_too_long=order.too_long, duplicate_prompts_dropped=order.duplicates)
+
     manifest["settings"].update(corpus=corpus if corpus is not None else manifest["settings"].get("corpus"),
                                 batch_size=batch_size, shard_sequences=shard_sequences)
-    done, total = manifest["prompts_done"], manifest["prompts_total"]
-    if done >= total:
+    done = manifest["prompts_done"]
+    end = limit if limit is not None else order.slots  # at most this many prompts (user turns bound them)
+    # the prompts the batch probe's typical length reads, and whether any prompt is left at all
+    if done >= end or order.ensure(min(end, done + 256)) <= done:
+        counted()
         _write_manifest(out, manifest)
         return manifest
 
@@ -745,7 +791,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     kind = batch_step.choose_kind(decode_step, model)
     stop_ids = frozenset(int(s) for s in target.stop_token_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    lens = sorted(len(p) for p in order.prompts[done:])
+    lens = sorted(len(p) for p in order.prompts[done:end])
     probe_len = lens[len(lens) // 2] + max_new_tokens // 2  # a typical step's positions
     manifest["settings"].pop("decode_step_choice", None)  # this run's, or none (a resumed store's earlier one is not)
     if decode_step == "auto" and batch_step.direct_may_win(model):  # a CPU: the faster step, by measurement
@@ -764,11 +810,13 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     seen = _stored_response_keys(out, manifest)
     hasher = _prompt_hasher(order.prompts[:done])  # prompts_done_sha256, extended chunk by chunk
     chunk_prompts = max(1, shard_sequences // len(temps))
-    bar = _progress_bar(total * len(temps), done * len(temps), progress)
+    bar = _progress_bar(end * len(temps), done * len(temps), progress)  # (user turns: an upper bound)
     run_start, run_prompts = time.time(), 0
     try:
-        while done < total:
-            n = min(chunk_prompts, total - done)
+        while done < end:
+            n = min(chunk_prompts, order.ensure(min(end, done + chunk_prompts)) - done)
+            if n < 1:  # the corpus has no more prompts
+                break
             if deadline is not None:
                 left = deadline - time.time()
                 if run_prompts:  # size the chunk to end in time, from this run's pace
@@ -810,9 +858,13 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
             manifest["generation_seconds"] = round(manifest["generation_seconds"] + seconds, 2)
             manifest["generated_tokens_per_s"] = round(manifest["generated_tokens_total"]
                                                        / max(manifest["generation_seconds"], 1e-9), 1)
+            counted()
             _write_manifest(out, manifest)
     finally:
         bar.close()
+    if done < end:
+        order.ensure(done + 1)  # (stopped early: whether a prompt is left, for prompts_total)
+    counted()
     if batch_step._graph_failed:  # a capture failed in this run: the steps after it ran the model's forward
         manifest["settings"]["decode_step"] = f"model (graph failed: {batch_step._graph_failed[0][:300]})"
     _write_manifest(out, manifest)
