@@ -430,10 +430,24 @@ def test_cli_corpus_source_refuses_generation_settings_and_writes_a_store(tmp_pa
                                                                            capsys):
     base = ["make-data", "--source", "corpus", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--quiet"]
     for extra, says in ((["--temperatures", "0", "0.7"], "--temperatures"), (["--max-new-tokens", "8"], "--max-new-tokens"),
-                        (["--device", "cuda"], "--device")):
+                        (["--device", "cuda"], "--device"), (["--kernels", "q8"], "--kernels")):
         assert main(base + ["--out", str(tmp_path / "x")] + extra) == 2
         err = capsys.readouterr().err
         assert says in err and "generates nothing" in err and err.count("\n") == 1, err
     assert main(base + ["--out", str(tmp_path / "c"), "--max-prompts", "5"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert 0 < summary["sequences"] == len(read_store(tmp_path / "c")) <= 5 and summary["response_tokens"] > 0
+
+
+def test_cli_make_data_takes_the_targets_kernels(tmp_path, tiny_model_dir, corpus_file, capsys):
+    """--kernels as generate's: q8 refused by name where it cannot run (a target that is not GGUF codes), before a
+    prompt is answered; the kernels a run used are in the manifest."""
+    base = ["make-data", "--model", str(tiny_model_dir), "--corpus", str(corpus_file), "--quiet", "--max-new-tokens",
+            "4", "--max-prompt-tokens", "64", "--max-prompts", "3", "--batch-size", "2"]
+    assert main(base + ["--out", str(tmp_path / "q8"), "--kernels", "q8"]) == 2
+    err = capsys.readouterr().err
+    assert "--kernels q8" in err and "Traceback" not in err, err
+    assert not (tmp_path / "q8" / "manifest.json").exists()
+    assert main(base + ["--out", str(tmp_path / "a"), "--kernels", "multi-row"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["settings"]["kernels"] == "multi-row"

@@ -806,6 +806,7 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
     else:
         batch = int(batch_size)
     manifest["settings"]["decode_step"] = kind
+    manifest["settings"]["kernels"] = getattr(target, "kernels", None)  # this run's (q8: another arithmetic)
     session = BatchSession(model, batch, max_prompt_tokens + max_new_tokens, kind)  # one cache, its graphs kept
     seen = _stored_response_keys(out, manifest)
     hasher = _prompt_hasher(order.prompts[:done])  # prompts_done_sha256, extended chunk by chunk
