@@ -165,6 +165,34 @@ def test_prompts_are_rendered_as_the_store_needs_them(tmp_path, target, monkeypa
     assert manifest["user_turns_read"] < 40  # the first 20 distinct prompts' worth, not the 600
 
 
+def test_lazy_rendering_stores_the_seeded_order_chunk_by_chunk(tmp_path, target, monkeypatch):
+    """Past the first 256 prompts (the batch probe's) the prompts are rendered chunk by chunk, and the store holds
+    exactly the seeded order's first prompts, in order; a run stopped before the corpus ends says its total is not
+    known yet (None), and a rerun continues with the next prompts."""
+    rng = random.Random(2)
+    many = [[{"role": "user", "content": f"q{i} " + words(rng, 2, 6)}, {"role": "assistant", "content": "ok"}]
+            for i in range(700)]
+    want = ordered_prompts(many, target.tokenizer, 64, 0).prompts
+    chunks = []
+
+    def answers(model, prompts, start, n, *args, **kw):  # distinct stand-in answers (no generation)
+        chunks.append((start, n))
+        if len(chunks) > 40:
+            return None, 0  # as a deadline overtaking the chunk
+        return {(i, 0): [10 + i % 50, 10 + i // 50] for i in range(start, start + n)}, 2 * n
+
+    monkeypatch.setattr(store_mod, "_answer_chunk", answers)
+    manifest = build(tmp_path / "s", target, many, temperatures=(0.0,), shard_sequences=8)
+    assert [c for c in chunks[:40]] == [(8 * k, 8) for k in range(40)] and manifest["prompts_done"] == 320
+    assert manifest["prompts_total"] is None and manifest["user_turns_read"] < 700
+    stored = [ids.tolist()[:p] for ids, p in read_store(tmp_path / "s").sequences]
+    assert stored == want[:320]
+    chunks.clear()
+    manifest = build(tmp_path / "s", target, many, temperatures=(0.0,), shard_sequences=8, max_prompts=340)
+    assert chunks == [(320, 8), (328, 8), (336, 4)] and manifest["prompts_total"] == 340
+    assert [ids.tolist()[:p] for ids, p in read_store(tmp_path / "s").sequences] == want[:340]
+
+
 def build(out, target, convs, **kw):
     args = dict(max_new_tokens=12, max_prompt_tokens=64, batch_size=4, temperatures=(0.0, 0.7), seed=0,
                 shard_sequences=8, progress=False)
@@ -450,4 +478,5 @@ def test_cli_make_data_takes_the_targets_kernels(tmp_path, tiny_model_dir, corpu
     assert not (tmp_path / "q8" / "manifest.json").exists()
     assert main(base + ["--out", str(tmp_path / "a"), "--kernels", "multi-row"]) == 0
     capsys.readouterr()
-    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["settings"]["kernels"] == "multi-row"
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["settings"]["kernels"] == "multi-row" and {s["kernels"] for s in manifest["shards"]} == {"multi-row"}

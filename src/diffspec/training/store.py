@@ -847,7 +847,8 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
             entry = {"file": f"shard-{len(manifest['shards']):05d}.safetensors", "sequences": len(kept_seqs),
                      "tokens": sum(len(s) for s, _, _ in kept_seqs),
                      "generated_tokens": sum(len(s) - p for s, p, _ in kept_seqs),
-                     "prompts": [done, done + n], "batch_size": batch}
+                     "prompts": [done, done + n], "batch_size": batch,
+                     "kernels": manifest["settings"]["kernels"]}  # (q8's answers are another arithmetic's)
             _write_shard(out / entry["file"], kept_seqs)
             done += n
             run_prompts += n
