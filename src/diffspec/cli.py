@@ -415,11 +415,10 @@ def _make_data(args) -> int:
     from .target import Target
     from .training.store import build_store
     check_device_available(args.device)  # before the corpus is read
-    if args.kernels == "q8":
-        import torch
+    import torch
 
-        from .kernels import check_q8_settings
-        check_q8_settings(args.device, "off", torch.float32)
+    from .backends import check_backend_settings
+    check_backend_settings("transformers", args.model, torch.float32, args.device, args.kernels or "auto")  # as generate's
     convs = load_corpus(args.corpus)
     deadline = None if max_time is None else time.time() + max_time
     target = Target.load(args.model, device=args.device, quiet=args.quiet, kernels=args.kernels or "auto")

@@ -502,7 +502,6 @@ class ConditionedDrafter(CompilesPasses, ChoosesDtype, Drafter):
                f"target layers {list(self.cfg.target_layer_ids)}{hints}, {dtype}{self._compile_text()})"
 
 
-
 class _DrawnRows:
     """One round's drafted tokens, drawn as the policy asks for them: the head (the draft vocabulary's rows, or the
     whole vocabulary's, times the width: a row's widest product) and the draw run on rows [0, end) only, at least

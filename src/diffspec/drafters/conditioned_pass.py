@@ -141,7 +141,6 @@ class ServingWeights:
         return self.weights
 
 
-
 def stacked_layer(layer) -> dict:
     """One drafter layer's weights as the lean pass and the q8 pass read them (LayerWeights' fields): q/k/v and
     gate/up stacked, the key/value rows apart, the q/k norms repeated per head."""

@@ -8,7 +8,7 @@
 - order: all (conversation, user turn) slots are shuffled with `seed`; prompts are rendered in
   that order, skipping a prompt identical (same token ids) to an earlier one. The first N prompts
   are therefore the same for every `max_prompts` >= N, which is what makes a store resumable and
-  extensible (`ordered_prompts`).
+  extensible (`PromptStream`, `ordered_prompts`).
 - generation: batched (`generate_batch`: left-padded rows, one prefill, then one decode step per
   token for the whole batch over a preallocated, position-indexed KV cache), once per temperature
   (0 = greedy; T > 0 samples with a generator seeded by the prompt's position, so an answer does
@@ -128,20 +128,6 @@ def conversation_prompts(convs: Sequence[list], tokenizer, max_prompt_tokens: in
     return out
 
 
-@dataclass(frozen=True)
-class PromptOrder:
-    """The first prompts of a corpus in the store's seeded order."""
-    prompts: list           # [[token id]], distinct
-    slots: int              # user turns in the corpus
-    slots_read: int         # user turns rendered to find these prompts
-    too_long: int           # of those, skipped by `turn_prompt`
-    duplicates: int         # of those, identical to an earlier prompt
-
-    def digest(self, n: Optional[int] = None) -> str:
-        """A hash of the first n prompts (all by default): equal means the same prompts in the same order."""
-        return _prompt_hasher(self.prompts[:n]).hexdigest()[:16]
-
-
 def _prompt_hasher(prompts: Sequence[Sequence[int]], h=None):
     """sha256 fed with `prompts` (after what `h` was fed already)."""
     h = h if h is not None else hashlib.sha256()
@@ -200,17 +186,18 @@ class PromptStream:
         return len(self.prompts)
 
     def digest(self, n: Optional[int] = None) -> str:
-        """A hash of the first n prompts (all found so far by default)."""
+        """A hash of the first n prompts (all found so far by default): equal means the same prompts in the same
+        order."""
         return _prompt_hasher(self.prompts[:n]).hexdigest()[:16]
 
 
 def ordered_prompts(convs: Sequence[list], tokenizer, max_prompt_tokens: int, seed: int,
-                    limit: Optional[int] = None, progress: bool = False) -> PromptOrder:
+                    limit: Optional[int] = None, progress: bool = False) -> PromptStream:
     """Every (conversation, user turn) slot, shuffled with `seed`, rendered in that order until `limit`
-    distinct prompts are found (all of them without a limit): PromptStream, rendered at once."""
+    distinct prompts are found (all of them without a limit): a PromptStream, rendered at once."""
     stream = PromptStream(convs, tokenizer, max_prompt_tokens, seed, progress)
     stream.ensure(stream.slots if limit is None else limit)
-    return PromptOrder(stream.prompts, stream.slots, stream.slots_read, stream.too_long, stream.duplicates)
+    return stream
 
 
 # --- a preallocated KV cache for a batch of rows ------------------------------------------------
@@ -750,10 +737,10 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
                              shard_sequences=shard_sequences, max_prompts=max_prompts, corpus=corpus)
     if target.tokenizer is None:
         raise DiffspecError("build_store needs a target with a tokenizer")
-    limit = getattr(target.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if limit and max_prompt_tokens + max_new_tokens > limit:
+    context = getattr(target.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if context and max_prompt_tokens + max_new_tokens > context:
         raise DiffspecError(f"max_prompt_tokens + max_new_tokens = {max_prompt_tokens + max_new_tokens} exceeds "
-                            f"{target.name}'s context of {limit} positions")
+                            f"{target.name}'s context of {context} positions")
     out = Path(out).expanduser()
     check_store_folder(out, settings)
     before = _read_manifest(out)["prompts_done"] if (out / MANIFEST).is_file() else 0
@@ -864,8 +851,6 @@ def build_store(out, target, convs: Sequence[list], *, max_new_tokens: int = 256
             _write_manifest(out, manifest)
     finally:
         bar.close()
-    if done < end:
-        order.ensure(done + 1)  # (stopped early: whether a prompt is left, for prompts_total)
     counted()
     if batch_step._graph_failed:  # a capture failed in this run: the steps after it ran the model's forward
         manifest["settings"]["decode_step"] = f"model (graph failed: {batch_step._graph_failed[0][:300]})"
