@@ -197,9 +197,9 @@ def measure_verify_costs(target, ks: Optional[Sequence[int]] = None, contexts: S
     gen = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     rows = []
-    from tqdm import tqdm
+    from .progress import progress_bar
 
-    bar = tqdm(total=len(usable) * len(ks), desc="timing verify passes", unit="k", disable=not progress)
+    bar = progress_bar(len(usable) * len(ks), "timing verify passes", unit="k", enabled=progress)
     for c in usable:
         context = torch.randint(0, vocab, (c,), generator=gen).to(target.device)
         block = torch.randint(0, vocab, (max_k + 1,), generator=gen).to(target.device)

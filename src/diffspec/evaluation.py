@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -473,6 +472,6 @@ def plot_slot_acceptance(health: DrafterHealth, path) -> Optional[Path]:
 
 def _bar(total: int, desc: str, enabled: bool):
     """A tqdm progress bar on stderr (a silent stand-in when disabled)."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, leave=False, dynamic_ncols=True)
+    return progress_bar(total, desc, enabled=enabled, leave=False)

@@ -178,10 +178,10 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
     if out is not None:  # rows are appended as they come, so a killed long run keeps what it measured
         Path(out).mkdir(parents=True, exist_ok=True)
         partial = open(Path(out) / "results.partial.jsonl", "w")
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
-    progress = tqdm(total=len(prompts) * config.repeats * len(specs), file=stderr, disable=config.quiet,
-                    dynamic_ncols=True, unit="run")
+    progress = progress_bar(len(prompts) * config.repeats * len(specs), None, unit="run", enabled=not config.quiet,
+                            file=stderr)
     with quiet_libraries():
         for spec in specs:  # warm-up: one short generation per method
             runners[spec.name].run(encoded[0], min(config.warmup_tokens, config.max_new_tokens), sampling)

@@ -522,10 +522,10 @@ def _train(req: TrainRequest, world: World) -> dict:
                         "same_run": same_run}, ckpt.with_suffix(".tmp"))
             os.replace(ckpt.with_suffix(".tmp"), ckpt)
 
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
-    bar = tqdm(total=min(total_steps, req.steps or total_steps), initial=state["step"], desc="train-drafter",
-               unit="step", file=sys.stderr, disable=req.quiet or not world.main, dynamic_ncols=True)
+    bar = progress_bar(min(total_steps, req.steps or total_steps), "train-drafter", unit="step",
+                       enabled=not req.quiet and world.main, initial=state["step"])
     batches, batches_epoch = None, -1
     last_ckpt = time.time()
     model.train()

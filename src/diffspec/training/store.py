@@ -53,7 +53,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -878,10 +877,9 @@ def first_chunk_prompts(cap: int, seconds_left: float, temperatures: int, max_ne
 
 
 def _progress_bar(total: int, initial: int, enabled: bool, desc: str = "target answers", unit: str = "answer"):
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
-    return tqdm(total=total, initial=initial, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True,
-                desc=desc)
+    return progress_bar(total, desc, unit=unit, enabled=enabled, initial=initial)
 
 
 def _answer_chunk(model, prompts: list, start: int, n: int, temps: tuple, batch: int, max_new_tokens: int,

@@ -1,0 +1,54 @@
+"""Progress bars for the long commands (train-drafter, make-data, bench, eval-drafter, profile): tqdm, made fit for
+a terminal and for a log file alike.
+
+On a terminal the bar redraws itself in place, as tqdm does. On anything else (a file under `nohup`, a pipe, CI's
+log) tqdm would write every redraw after a carriage return on one endless line: a 35-minute training run left a
+100 kB line of ~900 bars. There each redraw is its own line instead, at most one every `LOG_INTERVAL_S` seconds (and
+the last state when the bar closes)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, TextIO
+
+LOG_INTERVAL_S = 30.0  # a stream that is not a terminal gets a line at most this often
+TTY_INTERVAL_S = 0.1   # tqdm's own default on a terminal
+
+
+def is_terminal(stream) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (ValueError, OSError):  # a closed stream
+        return False
+
+
+class _Lines:
+    """A stream for tqdm that turns its in-place redraws into whole lines: the carriage returns and the padding that
+    overwrites a longer previous bar are dropped, and each non-empty write ends its line."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        flush = getattr(self.stream, "flush", None)
+        if flush:
+            flush()
+
+
+def progress_bar(total: Optional[int], desc: Optional[str], unit: str = "it", enabled: bool = True, initial: int = 0,
+                 file: Optional[TextIO] = None, leave: bool = True):
+    """A tqdm bar on `file` (default stderr); a silent stand-in when not `enabled`."""
+    from tqdm import tqdm
+
+    stream = file if file is not None else sys.stderr
+    terminal = is_terminal(stream)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave,
+                file=stream if terminal else _Lines(stream), dynamic_ncols=terminal,
+                ncols=None if terminal else 120, mininterval=TTY_INTERVAL_S if terminal else LOG_INTERVAL_S,
+                **({} if terminal else {"maxinterval": LOG_INTERVAL_S}))  # tqdm's monitor: no forced redraw sooner

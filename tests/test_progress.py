@@ -1,0 +1,57 @@
+"""Progress bars in a log file are whole lines, few of them; on a terminal they redraw in place (progress.py)."""
+
+import io
+import time
+
+from diffspec import progress
+from diffspec.evaluation import _bar as eval_bar
+from diffspec.training.store import _progress_bar as store_bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run(bar, n: int) -> None:
+    for _ in range(n):
+        bar.update(1)
+    bar.close()
+
+
+def test_log_file_gets_whole_lines_not_carriage_returns(capsys):
+    # make-data's and eval-drafter's bars write to stderr: here a captured, non-terminal stream, as under nohup
+    _run(store_bar(500, 0, True), 500)
+    _run(eval_bar(300, "drafting", True), 300)
+    err = capsys.readouterr().err
+    assert "\r" not in err  # tqdm's in-place redraw would put every update on one endless line
+    lines = err.splitlines()
+    assert all(line.strip() for line in lines)
+    # a fast loop: the first state and the last (within LOG_INTERVAL_S), not a line per update
+    assert len(lines) <= 6, lines
+    assert any("500/500" in line for line in lines)
+
+
+def test_log_file_lines_are_spaced_by_the_interval(monkeypatch):
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.05)
+    out = io.StringIO()
+    bar = progress.progress_bar(40, "steps", file=out)
+    for _ in range(40):
+        time.sleep(0.005)
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert 2 < len(lines) < 40  # some redraws (0.2 s at one a 0.05 s), never one an update
+    assert "40/40" in lines[-1]
+
+
+def test_terminal_redraws_in_place():
+    out = _Terminal()
+    _run(progress.progress_bar(50, "steps", file=out), 50)
+    assert "\r" in out.getvalue()
+
+
+def test_disabled_bar_writes_nothing():
+    out = io.StringIO()
+    _run(progress.progress_bar(50, "steps", enabled=False, file=out), 50)
+    assert out.getvalue() == ""
