@@ -30,6 +30,20 @@ def test_log_file_gets_whole_lines_not_carriage_returns(capsys):
     # a fast loop: the first state and the last (within LOG_INTERVAL_S), not a line per update
     assert len(lines) <= 6, lines
     assert any("500/500" in line for line in lines)
+    # eval-drafter's bar vanishes at close on a terminal (leave=False); in a log its last state stays
+    assert any("300/300" in line for line in lines), lines
+
+
+def test_log_lines_keep_a_long_description_whole_and_nested_bars_clean():
+    out = io.StringIO()
+    desc = "drafting (prompt-lookup+/a/long/path/to/some/drafter/folder/that/goes/on/and/on/drafter)"
+    outer = progress.progress_bar(3, "target answers", file=out)
+    inner = progress.progress_bar(5732, desc, file=out)  # a second bar open below the first: tqdm moves the cursor
+    _run(inner, 5732)
+    _run(outer, 3)
+    text = out.getvalue()
+    assert "\x1b" not in text and "\r" not in text
+    assert any(desc in line and "5732/5732" in line for line in text.splitlines())  # no width cut the counts off
 
 
 def test_log_file_lines_are_spaced_by_the_interval(monkeypatch):

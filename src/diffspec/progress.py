@@ -23,6 +23,9 @@ def is_terminal(stream) -> bool:
         return False
 
 
+_CURSOR_UP = "\x1b[A"  # what tqdm writes to reach a bar drawn below another (two bars open at once)
+
+
 class _Lines:
     """A stream for tqdm that turns its in-place redraws into whole lines: the carriage returns and the padding that
     overwrites a longer previous bar are dropped, and each non-empty write ends its line."""
@@ -31,7 +34,7 @@ class _Lines:
         self.stream = stream
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").rstrip()
+        line = text.replace("\r", "").replace(_CURSOR_UP, "").rstrip()
         if line:
             self.stream.write(line + "\n")
 
@@ -48,7 +51,9 @@ def progress_bar(total: Optional[int], desc: Optional[str], unit: str = "it", en
 
     stream = file if file is not None else sys.stderr
     terminal = is_terminal(stream)
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave,
+    # in a log a bar that would vanish at close (leave=False) keeps its last line: a log has nothing to clear, and its
+    # final state is the line worth reading; no ncols there (a width would cut the counts of a long description)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave or not terminal,
                 file=stream if terminal else _Lines(stream), dynamic_ncols=terminal,
-                ncols=None if terminal else 120, mininterval=TTY_INTERVAL_S if terminal else LOG_INTERVAL_S,
+                mininterval=TTY_INTERVAL_S if terminal else LOG_INTERVAL_S,
                 **({} if terminal else {"maxinterval": LOG_INTERVAL_S}))  # tqdm's monitor: no forced redraw sooner
