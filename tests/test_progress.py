@@ -69,3 +69,23 @@ def test_disabled_bar_writes_nothing():
     out = io.StringIO()
     _run(progress.progress_bar(50, "steps", enabled=False, file=out), 50)
     assert out.getvalue() == ""
+
+
+def test_a_postfix_in_a_log_rides_on_the_next_line():
+    # bench labels every run before it starts: in a log that must not be a line a run
+    out = io.StringIO()
+    bar = progress.progress_bar(200, None, unit="run", file=out)
+    for i in range(200):
+        bar.set_postfix_str(f"prompt {i}")
+        bar.update()
+    bar.set_postfix(last=1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) <= 4, lines
+    assert "200/200" in lines[-1] and "last=1" in lines[-1]
+    term = _Terminal()  # a terminal redraws the label at once
+    bar = progress.progress_bar(5, None, file=term)
+    before = len(term.getvalue())
+    bar.set_postfix_str("now")
+    assert "now" in term.getvalue()[before:]
+    bar.close()

@@ -418,10 +418,11 @@ def _make_data(args) -> int:
     import torch
 
     from .backends import check_backend_settings
-    check_backend_settings("transformers", args.model, torch.float32, args.device, args.kernels or "auto")  # as generate's
+    kernels = args.kernels or "auto"  # (None above: not given, which --source corpus checks)
+    check_backend_settings("transformers", args.model, torch.float32, args.device, kernels)  # as generate's
     convs = load_corpus(args.corpus)
     deadline = None if max_time is None else time.time() + max_time
-    target = Target.load(args.model, device=args.device, quiet=args.quiet, kernels=args.kernels or "auto")
+    target = Target.load(args.model, device=args.device, quiet=args.quiet, kernels=kernels)
     manifest = build_store(args.out, target, convs, max_new_tokens=settings.max_new_tokens,
                            max_prompt_tokens=settings.max_prompt_tokens, batch_size=settings.batch_size,
                            temperatures=settings.temperatures, seed=settings.seed, max_prompts=settings.max_prompts,

@@ -4,10 +4,12 @@ a terminal and for a log file alike.
 On a terminal the bar redraws itself in place, as tqdm does. On anything else (a file under `nohup`, a pipe, CI's
 log) tqdm would write every redraw after a carriage return on one endless line: a 35-minute training run left a
 100 kB line of ~900 bars. There each redraw is its own line instead, at most one every `LOG_INTERVAL_S` seconds (and
-the last state when the bar closes)."""
+the last state when the bar closes); a new postfix (bench's run in progress) rides on the next line, not one of its
+own."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional, TextIO
 
@@ -44,6 +46,21 @@ class _Lines:
             flush()
 
 
+@functools.lru_cache(maxsize=None)
+def _log_bar_class():
+    """tqdm whose postfix waits for the next line (a terminal redraws it at once, where that costs no line)."""
+    from tqdm import tqdm
+
+    class LogBar(tqdm):
+        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+            super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+        def set_postfix_str(self, s="", refresh=True):
+            super().set_postfix_str(s, refresh=False)
+
+    return LogBar
+
+
 def progress_bar(total: Optional[int], desc: Optional[str], unit: str = "it", enabled: bool = True, initial: int = 0,
                  file: Optional[TextIO] = None, leave: bool = True):
     """A tqdm bar on `file` (default stderr); a silent stand-in when not `enabled`."""
@@ -53,7 +70,7 @@ def progress_bar(total: Optional[int], desc: Optional[str], unit: str = "it", en
     terminal = is_terminal(stream)
     # in a log a bar that would vanish at close (leave=False) keeps its last line: a log has nothing to clear, and its
     # final state is the line worth reading; no ncols there (a width would cut the counts of a long description)
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave or not terminal,
+    return (tqdm if terminal else _log_bar_class())(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave or not terminal,
                 file=stream if terminal else _Lines(stream), dynamic_ncols=terminal,
                 mininterval=TTY_INTERVAL_S if terminal else LOG_INTERVAL_S,
                 **({} if terminal else {"maxinterval": LOG_INTERVAL_S}))  # tqdm's monitor: no forced redraw sooner

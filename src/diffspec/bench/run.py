@@ -178,9 +178,8 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
     if out is not None:  # rows are appended as they come, so a killed long run keeps what it measured
         Path(out).mkdir(parents=True, exist_ok=True)
         partial = open(Path(out) / "results.partial.jsonl", "w")
-    from ..progress import is_terminal, progress_bar
+    from ..progress import progress_bar
 
-    live = is_terminal(stderr)
     progress = progress_bar(len(prompts) * config.repeats * len(specs), None, unit="run", enabled=not config.quiet,
                             file=stderr)
     with quiet_libraries():
@@ -191,8 +190,7 @@ def run_bench(config: BenchConfig, target, registry: Optional[dict] = None, out:
             outcomes = {}
             for _ in range(config.repeats):
                 for spec in specs:
-                    progress.set_postfix_str(f"{prompt.dataset}/{prompt.prompt_id} {spec.name}"[:60],
-                                             refresh=live)  # in a log: shown with the next line, not a line of its own
+                    progress.set_postfix_str(f"{prompt.dataset}/{prompt.prompt_id} {spec.name}"[:60])
                     outcome = runners[spec.name].run(ids, config.max_new_tokens, sampling)
                     progress.update()
                     times[spec.name].append(outcome.wall_time_s)
