@@ -471,7 +471,7 @@ def plot_slot_acceptance(health: DrafterHealth, path) -> Optional[Path]:
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    """A tqdm progress bar on stderr (a silent stand-in when disabled)."""
+    """eval-drafter's bar on stderr (progress.progress_bar), cleared at close on a terminal."""
     from .progress import progress_bar
 
     return progress_bar(total, desc, enabled=enabled, leave=False)

@@ -67,10 +67,12 @@ def progress_bar(total: Optional[int], desc: Optional[str], unit: str = "it", en
     from tqdm import tqdm
 
     stream = file if file is not None else sys.stderr
-    terminal = is_terminal(stream)
+    if is_terminal(stream):
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave, file=stream,
+                    dynamic_ncols=True, mininterval=TTY_INTERVAL_S)
     # in a log a bar that would vanish at close (leave=False) keeps its last line: a log has nothing to clear, and its
-    # final state is the line worth reading; no ncols there (a width would cut the counts of a long description)
-    return (tqdm if terminal else _log_bar_class())(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave or not terminal,
-                file=stream if terminal else _Lines(stream), dynamic_ncols=terminal,
-                mininterval=TTY_INTERVAL_S if terminal else LOG_INTERVAL_S,
-                **({} if terminal else {"maxinterval": LOG_INTERVAL_S}))  # tqdm's monitor: no forced redraw sooner
+    # final state is the line worth reading; no ncols there (a width would cut the counts of a long description);
+    # maxinterval: tqdm's monitor forces no redraw sooner than the interval
+    return _log_bar_class()(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=True,
+                            file=_Lines(stream), dynamic_ncols=False, mininterval=LOG_INTERVAL_S,
+                            maxinterval=LOG_INTERVAL_S)
