@@ -45,9 +45,10 @@ def gguf_weight(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(gguf_blocks(kind, n, k, seed), qtype).reshape(n, k).astype(np.float32))
 
 
-def coded_model(vocab: int = 96, seed: int = 3, scale: float = 30.0, head_scale: float = 10.0,
+def coded_model(vocab: int = 96, seed: int = 3, scale: float = 32.0, head_scale: float = 8.0,
                 hidden: int = 64) -> torch.nn.Module:
-    """A tiny float32 Llama whose linear layers are Q4_1 codes and whose head is Q8_0 codes (as the default target)."""
+    """A tiny float32 Llama whose linear layers are Q4_1 codes and whose head is Q8_0 codes (as the default target).
+    Scaled by powers of two, the codes' scales stay float16 values, as a GGUF's are (what `--kernels q8` reads)."""
     model = make_model(vocab, seed=seed, hidden=hidden, dtype=torch.float32)
     with torch.no_grad():
         for i, (name, mod) in enumerate(model.named_modules()):

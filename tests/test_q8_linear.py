@@ -85,9 +85,7 @@ def test_the_layout_keeps_rows_apart_so_stacked_and_sliced_packs_compute_alike()
 
 def q8_target(fused: bool = True, hidden: int = 64) -> Target:
     """A coded tiny model as `--kernels q8` runs it (plan, packs, direct pass, fused or not)."""
-    # hidden 64: codes times 30 stay codes; wider, only a power of two keeps every block exactly codes
-    target = Target(coded_model(hidden=hidden) if hidden == 64 else coded_model(hidden=hidden, scale=32.0,
-                                                                                head_scale=8.0), kernels="q8")
+    target = Target(coded_model(hidden=hidden), kernels="q8")  # (scaled by powers of two: float16 scales, as a GGUF's)
     assert target.linear_plan.q8 and "8-bit activations" in target.runtime()["linear_plan"]
     if not fused:
         target.direct_pass = LP.LlamaPass(target.model, target.linear_plan, fused=False)
@@ -188,6 +186,43 @@ def test_what_q8_cannot_serve_is_refused_by_name():
         check_backend_settings("transformers", None, torch.bfloat16, "cpu", "q8", "off")
     with pytest.raises(DiffspecError, match="applies to the transformers backend"):
         check_backend_settings("llama.cpp", None, torch.float32, "cpu", "q8", "off")
+
+
+def test_a_row_streams_the_bytes_the_gguf_holds():
+    """A one-row step is bound by the bytes it streams: the layout holds the GGUF's float16 scales and offsets, not
+    float32 ones padded to 16 a group (a Q4_1 row of 576 took 544 bytes, 360 in the file)."""
+    for kind, block_bytes in (("q4_1", 20), ("q8_0", 34)):        # 2 + 2 + 16 / 2 + 32 bytes a block of 32
+        weight = Q.Q8Weight.of(P.pack(gguf_weight(kind, 8, 576)))
+        parts = (weight.codes, weight.scales) + ((weight.offsets,) if kind == "q4_1" else ())
+        assert sum(t.numel() * t.element_size() for t in parts) == 8 * 18 * block_bytes
+        assert weight.scales.dtype == torch.float16 and weight.scales.shape == (8, 18)
+
+
+def test_codes_whose_scales_are_not_float16_are_refused_by_name():
+    w = gguf_weight("q4_1", 8, 64) * 30.0       # codes still (scale d * 30, offset m * 30), but no longer float16
+    packed = P.pack(w)
+    assert packed is not None and not torch.equal(packed.scales.half().float(), packed.scales)
+    with pytest.raises(Q.NotHalfScales, match="scales are not all float16"):
+        Q.Q8Weight.of(packed)
+    with pytest.raises(DiffspecError, match=r"not: .*\(the scales are not all float16"):
+        Target(coded_model(scale=30.0), kernels="q8")
+
+
+def test_a_drafters_q8_codes_take_float16_scales_and_stay_within_half_a_step():
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[3, :32] = 0.0                                   # a block of zeros: scale 0, codes 0
+    w[4, 32:64] = 1e-7                                # under float16's least scale: scale 0, codes 0 (no division by 0)
+    packed = Q.quantized_pack(w)
+    assert torch.equal(packed.scales.half().float(), packed.scales)
+    assert packed.codes.abs().max() <= 127 and packed.q8.scales.dtype == torch.float16
+    step = packed.scales.repeat_interleave(32, dim=1)
+    err = (packed.decode() - w).abs()
+    assert (err <= step / 2 * (1 + 1e-3) + 1e-6).all()
+    assert torch.equal(packed.decode()[3, :32], torch.zeros(32)) and torch.equal(packed.decode()[4, 32:64], torch.zeros(32))
+    with pytest.raises(ValueError, match="float16 scales"):
+        Q.quantized_pack(torch.full((2, 32), 1e7))
+    with pytest.raises(ValueError, match="finite"):
+        Q.quantized_pack(torch.full((2, 32), float("nan")))
 
 
 def test_the_fused_calls_work_buffer_holds_the_widest_quantized_row():

@@ -74,12 +74,14 @@ INLINE void rms_norm(const float *x, const float *w, int64_t D, float eps, float
 }
 
 /* x @ W^T through the packed kernel: Q4 where offsets are given, else Q8; with xq (a buffer of R rows of
- * q8_linear.c's quantized activations) the weights are in q8_linear.c's layout and x is quantized first */
+ * q8_linear.c's quantized activations) the weights are in q8_linear.c's layout (scales and offsets float16) and x
+ * is quantized first */
 INLINE void linear(const float *x, int64_t R, int64_t K, const void *codes, const float *scales,
                    const float *offsets, int64_t N, float *y, int threads, uint8_t *xq) {
     if (xq) {
         diffspec_q8_quantize(x, R, K, xq, threads);
-        diffspec_q8act_linear(xq, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
+        diffspec_q8act_linear(xq, R, K, (const uint8_t *)codes, (const uint16_t *)(const void *)scales,
+                              (const uint16_t *)(const void *)offsets, N, y, threads);
     } else if (offsets) {
         diffspec_q4_linear(x, R, K, (const uint8_t *)codes, scales, offsets, N, y, threads);
     } else {

@@ -24,7 +24,9 @@
  *     blocks in turn, 4 bytes: Q4: byte u = code (4c + u) | code (16 + 4c + u) << 4; Q8: code (4c + u) + 128.
  *     A pair is 32 (Q4) or 64 (Q8) bytes: Q4: block A's 16 bytes then B's (as in the GGUF: byte j = code j |
  *     code j + 16 << 4); Q8: A's codes 0-15, B's 0-15, A's 16-31, B's 16-31 (each + 128).
- *     Scales dw and offsets m: float32 [16 * (G + ceil(P / 8))] a row, zero past the real blocks.
+ *     Scales dw and offsets m: nb float16 a row (GGUF's own fields: a Q8_0 block's d, a Q4_1 block's d and m), read
+ *     into float32 exactly. Half the bytes of float32, and no padding: with the codes, a row streams what the GGUF
+ *     holds (SmolLM2's Q4_1 rows of 576: 360 bytes, not 544), which is what a one-row step is bound by.
  *   activations, per row (XROW_BYTES): a group is 8 chunks of 64 bytes, chunk c = positions 4c .. 4c + 3 of each
  *     block; a pair is A's 0-15, B's 0-15, A's 16-31, B's 16-31; then float dx[S], float sx[S] (dx * sum xq),
  *     int32 corr[16 * (G + P)] (128 * the sum of the xq a lane reads: a Q8 weight's + 128 taken back), S as above. */
@@ -148,6 +150,24 @@ void diffspec_q8_quantize(const float *x, int64_t R, int64_t K, uint8_t *out, in
     }
 }
 
+/* IEEE binary16 -> float32, exactly (every half is a float): the plain C of F16C's conversion */
+QINLINE float q8_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 31u, mantissa = h & 1023u;
+    union { uint32_t u; float f; } v;
+    if (exponent == 31) {
+        v.u = sign | 0x7f800000u | (mantissa << 13);             /* infinity, NaN */
+    } else if (exponent) {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);  /* normal: rebias 15 -> 127 */
+    } else {
+        v.f = (float)mantissa * 0x1p-24f;                         /* zero, subnormal: mantissa * 2^-24, exact */
+        v.u |= sign;
+    }
+    return v.f;
+}
+
+/* block b's scale (or offset) of a row of nb, 0 for the zero block closing an odd pair (b == nb) */
+QINLINE float q8_half_at(const uint16_t *h, int64_t b, int64_t nb) { return b < nb ? q8_half(h[b]) : 0.0f; }
+
 /* The 16 lanes' fixed summation tree (the same on every build). */
 QINLINE float q8_lane_sum(const float *a) {
     float s8[8], s4[4];
@@ -162,7 +182,7 @@ QINLINE int q8_pair_lane_block(int p, int lane) { return 2 * (p % 8) + ((lane / 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 typedef __m512 f16v;
 /* One output per x row of the group: weight row (codes wq, scales dw, offsets m or NULL) against G quantized rows. */
-QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *dw, const float *m,
+QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const uint16_t *dw, const uint16_t *m,
                      const uint8_t *xq, int64_t xrow, int64_t K, float *y, int64_t N) {
     const int64_t NG = q8_groups(K), NP = q8_pairs(K), S = q8_scale_count(K), code_bytes = q8_code_bytes(K);
     const int64_t wgroup = Q4 ? 256 : 512, wpair = Q4 ? 32 : 64;
@@ -180,8 +200,8 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
                 w[c] = v;
             }
         }
-        const __m512 dwv = _mm512_loadu_ps(dw + g * 16);
-        const __m512 mv = Q4 ? _mm512_loadu_ps(m + g * 16) : _mm512_setzero_ps();
+        const __m512 dwv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dw + g * 16)));
+        const __m512 mv = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * 16))) : _mm512_setzero_ps();
         for (int i = 0; i < G; i++) {
             const uint8_t *xr = xq + i * xrow;
             __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();  /* two chains: half the latency */
@@ -199,7 +219,11 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
     }
     if (NP) {  /* the trailing pairs (at most 8): their blocks' scales are one vector, lanes picked per pair */
         const int64_t sbase = 16 * NG;
-        const __m512 dwt = _mm512_loadu_ps(dw + sbase), mt = Q4 ? _mm512_loadu_ps(m + sbase) : _mm512_setzero_ps();
+        /* the row's last nb - 16 NG halves, zeros past them (the odd pair's zero block; no read past the row) */
+        const __mmask32 real = (__mmask32)((1u << (K / QBLOCK - sbase)) - 1u);
+        const __m512 dwt = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(real, dw + sbase)));
+        const __m512 mt = Q4 ? _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(real, m + sbase)))
+                             : _mm512_setzero_ps();
         for (int64_t p = 0; p < NP; p++) {
             __m512i w;
             if (Q4) {
@@ -245,7 +269,18 @@ QINLINE __m256i q8_dot_u(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
-QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *dw, const float *m,
+/* 8 float16 scales as float32 (F16C where the build has it: the same values) */
+QINLINE __m256 q8_half8(const uint16_t *h) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = q8_half(h[i]);
+    return _mm256_loadu_ps(f);
+#endif
+}
+
+QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const uint16_t *dw, const uint16_t *m,
                      const uint8_t *xq, int64_t xrow, int64_t K, float *y, int64_t N) {
     const int64_t NG = q8_groups(K), NP = q8_pairs(K), S = q8_scale_count(K), code_bytes = q8_code_bytes(K);
     const int64_t wgroup = Q4 ? 256 : 512, wpair = Q4 ? 32 : 64;
@@ -280,8 +315,8 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
             }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 dwv = _mm256_loadu_ps(dw + g * 16 + 8 * h);
-            const __m256 mv = Q4 ? _mm256_loadu_ps(m + g * 16 + 8 * h) : _mm256_setzero_ps();
+            const __m256 dwv = q8_half8(dw + g * 16 + 8 * h);
+            const __m256 mv = Q4 ? q8_half8(m + g * 16 + 8 * h) : _mm256_setzero_ps();
             for (int i = 0; i < G; i++) {
                 const float *dx = (const float *)(xq + i * xrow + code_bytes), *sx = dx + S;
                 const __m256 scale = _mm256_mul_ps(dwv, _mm256_loadu_ps(dx + g * 16 + 8 * h));
@@ -290,10 +325,10 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
             }
         }
     }
-    const int64_t sbase = 16 * NG;
+    const int64_t sbase = 16 * NG, nb = K / QBLOCK;
     for (int64_t p = 0; p < NP; p++) {  /* lanes 0-3 (and 8-11) read block A = 2p, lanes 4-7 (and 12-15) block B */
         const uint8_t *wp = wq + NG * wgroup + p * wpair;
-        const int64_t A = sbase + 2 * p, B = A + 1;
+        const int64_t A = sbase + 2 * p, B = A + 1;  /* B == nb: the zero block closing an odd pair */
         __m256i w0, w1;
         if (Q4) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)wp);
@@ -303,8 +338,9 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
             w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wp), flip);
             w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32)), flip);
         }
-        const __m256 dwv = _mm256_set_m128(_mm_set1_ps(dw[B]), _mm_set1_ps(dw[A]));
-        const __m256 mv = Q4 ? _mm256_set_m128(_mm_set1_ps(m[B]), _mm_set1_ps(m[A])) : _mm256_setzero_ps();
+        const __m256 dwv = _mm256_set_m128(_mm_set1_ps(q8_half_at(dw, B, nb)), _mm_set1_ps(q8_half(dw[A])));
+        const __m256 mv = Q4 ? _mm256_set_m128(_mm_set1_ps(q8_half_at(m, B, nb)), _mm_set1_ps(q8_half(m[A])))
+                             : _mm256_setzero_ps();
         for (int i = 0; i < G; i++) {
             const uint8_t *xp = xq + i * xrow + NG * 512 + p * 64;
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp), x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));
@@ -337,7 +373,7 @@ QINLINE int32_t q8_dot4(const uint8_t *w, const int8_t *x, int signed_w) {
     return s;
 }
 
-QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *dw, const float *m,
+QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const uint16_t *dw, const uint16_t *m,
                      const uint8_t *xq, int64_t xrow, int64_t K, float *y, int64_t N) {
     const int64_t NG = q8_groups(K), NP = q8_pairs(K), S = q8_scale_count(K), code_bytes = q8_code_bytes(K);
     const int64_t wgroup = Q4 ? 256 : 512, wpair = Q4 ? 32 : 64;
@@ -361,9 +397,9 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
                 }
             }
             for (int t = 0; t < 16; t++) {
-                const float scale = dw[g * 16 + t] * dx[g * 16 + t];
+                const float scale = q8_half(dw[g * 16 + t]) * dx[g * 16 + t];
                 acc[t] = fmaf((float)s[t], scale, acc[t]);
-                if (Q4) acc[t] = fmaf(m[g * 16 + t], sx[g * 16 + t], acc[t]);
+                if (Q4) acc[t] = fmaf(q8_half(m[g * 16 + t]), sx[g * 16 + t], acc[t]);
             }
         }
         for (int64_t p = 0; p < NP; p++) {
@@ -384,12 +420,12 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
                 }
                 s[l] = q8_dot4(wb, xp + 4 * l, !Q4);
             }
-            const int64_t sbase = 16 * (NG + p / 8);
+            const int64_t sbase = 16 * (NG + p / 8), nb = K / QBLOCK;
             for (int l = 0; l < 16; l++) {
                 const int blk = q8_pair_lane_block((int)p, l);
-                const float scale = dw[sbase + blk] * dx[sbase + blk];
+                const float scale = q8_half_at(dw, sbase + blk, nb) * dx[sbase + blk];
                 acc[l] = fmaf((float)s[l], scale, acc[l]);
-                if (Q4) acc[l] = fmaf(m[sbase + blk], (l == 0 || l == 4) ? sx[sbase + blk] : 0.0f, acc[l]);
+                if (Q4) acc[l] = fmaf(q8_half_at(m, sbase + blk, nb), (l == 0 || l == 4) ? sx[sbase + blk] : 0.0f, acc[l]);
             }
         }
         y[i * N] = q8_lane_sum(acc);
@@ -399,7 +435,8 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
 #endif
 
 /* y[R, N] = x @ W^T with x given quantized (diffspec_q8_quantize, xrow bytes a row) and W in this file's layout
- * (Q4 = 1: codes, scales, offsets; Q4 = 0: Q8 codes, scales); W's rows split among `threads` OpenMP threads. */
+ * (Q4 = 1: codes, float16 scales, offsets; Q4 = 0: Q8 codes, float16 scales); W's rows split among `threads`
+ * OpenMP threads. */
 #define Q8_CASES(Q4V) switch (g) { \
     case 1: q8_rows(Q4V, 1, W, D, M, xq + r0 * xrow, xrow, K, Y, N); break; \
     case 2: q8_rows(Q4V, 2, W, D, M, xq + r0 * xrow, xrow, K, Y, N); break; \
@@ -414,9 +451,9 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const float *
  * a group's quantized rows stay in L1 while the tile's rows pass over them); tiles split among the threads. The
  * tiling only orders whole outputs: each (row, weight row) output is still one q8_rows call, the same operations. */
 #define Q8_TILE 32
-void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
-                           const float *offsets, int64_t N, float *y, int threads) {
-    const int64_t xrow = diffspec_q8_xrow_bytes(K), S = q8_scale_count(K);
+void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_t *codes, const uint16_t *scales,
+                           const uint16_t *offsets, int64_t N, float *y, int threads) {
+    const int64_t xrow = diffspec_q8_xrow_bytes(K), nb = K / QBLOCK;
     const int64_t row_bytes = offsets ? q8_code_bytes(K) / 2 : q8_code_bytes(K);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t tile = 0; tile < (N + Q8_TILE - 1) / Q8_TILE; tile++) {
@@ -425,7 +462,7 @@ void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_
             const int64_t g = R - r0 < Q8_ROW_GROUP ? R - r0 : Q8_ROW_GROUP;
             for (int64_t n = tile * Q8_TILE; n < n_end; n++) {
                 const uint8_t *W = codes + n * row_bytes;
-                const float *D = scales + n * S, *M = offsets ? offsets + n * S : NULL;
+                const uint16_t *D = scales + n * nb, *M = offsets ? offsets + n * nb : NULL;
                 float *Y = y + r0 * N + n;
                 if (offsets) { Q8_CASES(1) } else { Q8_CASES(0) }
             }

@@ -81,14 +81,26 @@ def _layout_sizes(k: int) -> tuple:
     nb = k // BLOCK
     groups, rest = divmod(nb, 16)
     pairs = (rest + 1) // 2
-    scales = 16 * (groups + (pairs + 7) // 8)
-    return nb, groups, pairs, scales
+    return nb, groups, pairs
+
+
+class NotHalfScales(ValueError):
+    """A pack whose scales or offsets are not all float16 values (GGUF's are): q8_linear.c reads float16."""
+
+
+def half_exactly(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t (float32) as float16, if every value is one (GGUF's Q8_0 and Q4_1 fields are), else NotHalfScales."""
+    half = t.to(torch.float16)
+    if not torch.equal(half.to(t.dtype), t):
+        raise NotHalfScales(f"{what} are not all float16 values (a GGUF's are)")
+    return half.contiguous()
 
 
 @dataclass(frozen=True, eq=False)
 class Q8Weight:
     """A PackedWeight's codes in q8_linear.c's layout: kind 'q4' or 'q8', codes uint8 [N, row bytes], scales and
-    (Q4) offsets float32 [N, S] (zero past the real blocks). `packed`: the PackedWeight it came from."""
+    (Q4) offsets float16 [N, blocks] (the GGUF's own fields: a row streams the bytes the file holds; `of` refuses
+    a pack whose scales are not float16 values). `packed`: the PackedWeight it came from."""
 
     kind: str
     codes: torch.Tensor
@@ -116,7 +128,9 @@ class Q8Weight:
     @torch.no_grad()
     def of(cls, packed: PackedWeight) -> "Q8Weight":
         n, k = packed.shape
-        nb, groups, pairs, s = _layout_sizes(k)
+        scales = half_exactly(packed.scales, "the scales")  # first: nothing laid out for a pack refused
+        offsets = half_exactly(packed.offsets, "the offsets") if packed.kind == "q4" else None
+        nb, groups, pairs = _layout_sizes(k)
         pad_blocks = 16 * groups + 2 * pairs - nb   # 0 or 1 zero block closing an odd pair
         if packed.kind == "q4":
             blocks = packed.codes.view(n, nb, BLOCK // 2)                              # byte j: code j | code j+16 << 4
@@ -132,25 +146,29 @@ class Q8Weight:
             grouped = blocks[:, : 16 * groups].reshape(n, groups, 16, 8, 4).transpose(2, 3)  # [n, g, chunk, block, 4]
             paired = blocks[:, 16 * groups:].reshape(n, pairs, 2, 2, 16).transpose(2, 3)    # [n, p, half, side, 16]
             codes = torch.cat([grouped.reshape(n, -1), paired.reshape(n, -1)], 1)
-
-        def padded(t):
-            return torch.cat([t, t.new_zeros(n, s - nb)], 1).contiguous()
-
-        offsets = padded(packed.offsets) if packed.kind == "q4" else None
-        return cls(packed.kind, codes.contiguous(), padded(packed.scales), offsets, packed)
+        return cls(packed.kind, codes.contiguous(), scales, offsets, packed)
 
 
 @torch.no_grad()
 def quantized_pack(weight: torch.Tensor) -> PackedWeight:
     """Any float weight [N, K] (K a multiple of 32) rounded to Q8_0 codes, laid out for this kernel too: per block of
-    32 inputs, scale = max|w| / 127 (float32) and code = round(w / scale). Not the weight's own values (a drafter's
-    `--drafter-dtype q8`: what it drafts with is approximate, and the target verifies every token)."""
+    32 inputs, scale = max|w| / 127 rounded to float16 (as GGUF's Q8_0 stores it) and code = round(w / scale) within
+    +-127. Not the weight's own values (a drafter's `--drafter-dtype q8`: what it drafts with is approximate, and the
+    target verifies every token)."""
     w = weight.detach().to(device="cpu", dtype=torch.float32)
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"Q8_0 codes need rows of a multiple of {BLOCK} inputs, got {k}")
     blocks = w.reshape(n, k // BLOCK, BLOCK)
-    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    if not torch.isfinite(blocks).all():
+        raise ValueError("Q8_0 codes need finite weights")
+    # float16 scales: a block of magnitudes past float16's range (~8e6: none in a trained model) is refused, not
+    # turned into infinities; a block whose largest magnitude is under ~4e-6 gets scale 0 and codes 0
+    scales = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    if torch.isinf(scales).any():
+        raise ValueError(f"Q8_0 codes' float16 scales reach {torch.finfo(torch.float16).max:g}: a weight of "
+                         f"magnitude {w.abs().max().item():.3g} is past them")
+    scales = scales.float()
     codes = torch.round(blocks / torch.where(scales > 0, scales, torch.ones_like(scales))).clamp_(-127, 127)
     packed = PackedWeight("q8", codes.to(torch.int8).reshape(n, k).contiguous(), scales.reshape(n, -1).contiguous(),
                           None)
@@ -211,19 +229,27 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: Optional[torch.Tensor] =
 def pack_model_q8(model: torch.nn.Module, quiet: bool = True) -> list:
     """packed_linear.pack_model, then, where every linear layer is packed, each pack also laid out for this kernel
     (`PackedWeight.q8`; a weight shared by two layers, as a tied head, once). Returns the "N x K" shapes of the
-    layers left unpacked (not GGUF codes; then nothing is laid out)."""
+    layers left unpacked (not GGUF codes, or codes whose scales are not float16 values; then nothing is laid out)."""
     pack_model(model, quiet=quiet)
     groups = linear_groups(model)
     missing = sorted({f"{n}x{k}" for (n, k), mods in groups.items() for mod in mods
                       if getattr(mod, "packed_weight", None) is None})
     if missing:
         return missing
-    seen: dict = {}
-    for mods in groups.values():
+    laid: dict = {}
+    for (n, k), mods in groups.items():
         for mod in mods:
             packed = mod.packed_weight
-            if id(packed) not in seen:
-                seen[id(packed)] = dataclasses.replace(packed, q8=Q8Weight.of(packed))
-            mod.packed_weight = seen[id(packed)]
+            if id(packed) not in laid:
+                try:
+                    laid[id(packed)] = dataclasses.replace(packed, q8=Q8Weight.of(packed))
+                except NotHalfScales as e:
+                    missing.append(f"{n}x{k} ({e})")
+                    laid[id(packed)] = None
+    if missing:
+        return sorted(set(missing))
+    for mods in groups.values():
+        for mod in mods:
+            mod.packed_weight = laid[id(mod.packed_weight)]
     routing_changed()
     return []
