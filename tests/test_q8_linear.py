@@ -188,6 +188,22 @@ def test_what_q8_cannot_serve_is_refused_by_name():
         check_backend_settings("llama.cpp", None, torch.float32, "cpu", "q8", "off")
 
 
+def test_the_weight_prefetch_is_only_a_hint_both_kernels_compute_the_same_bits_without_it():
+    """q8_linear.c and packed_linear.c ask for weight rows ahead (non-temporal prefetch): built without it
+    (-DQ8_PREFETCH=0 -DPACKED_PREFETCH=0), every output is bitwise the same, at one row and at many."""
+    off = P.NATIVE + ("-DQ8_PREFETCH=0", "-DPACKED_PREFETCH=0")
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2))
+    for kind in ("q4_1", "q8_0"):
+        packed = P.pack(gguf_weight(kind, 300, 576, seed=7))  # more rows than the prefetch distance, a tile's tail
+        weight = Q.Q8Weight.of(packed)
+        for rows in (1, 3, 19):
+            assert torch.equal(Q.q8_linear(x[:rows], weight, lib=Q.library(off)).view(torch.int32),
+                               Q.q8_linear(x[:rows], weight).view(torch.int32))
+            with_it = P._run_kernel(x[:rows], packed.codes, packed.scales, packed.offsets)
+            without = P._run_kernel(x[:rows], packed.codes, packed.scales, packed.offsets, lib=P.build_library(off))
+            assert torch.equal(with_it.view(torch.int32), without.view(torch.int32))
+
+
 def test_a_row_streams_the_bytes_the_gguf_holds():
     """A one-row step is bound by the bytes it streams: the layout holds the GGUF's float16 scales and offsets, not
     float32 ones padded to 16 a group (a Q4_1 row of 576 took 544 bytes, 360 in the file)."""

@@ -176,16 +176,36 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
 #error "PAIR_GROUP must be 0 or 6"
 #endif
 
+/* Weight rows are read once a pass (three times the L3 for SmolLM2), so each is asked for PACKED_PREFETCH rows
+ * ahead with a non-temporal hint (locality 0: prefetchnta on x86), as q8_linear.c does: the codes stream past
+ * without pushing out of the caches what the pass and the torch operations between passes reuse. 0: none. */
+#ifndef PACKED_PREFETCH
+#define PACKED_PREFETCH 8
+#endif
+INLINE void prefetch_rows(const uint8_t *q, int64_t bytes, const float *d, const float *m, int64_t nb) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 0);
+    for (int64_t b = 0; b < nb; b += 16) {
+        __builtin_prefetch(d + b, 0, 0);
+        if (m) __builtin_prefetch(m + b, 0, 0);
+    }
+}
+/* weight row n + PACKED_PREFETCH (rows of row_bytes, nb scales each) */
+#define PREFETCH_AHEAD(n, q, row_bytes, d, m, nb)                                                        \
+    if (PACKED_PREFETCH > 0 && (n) + PACKED_PREFETCH < N)                                                \
+        prefetch_rows((const uint8_t *)(q) + ((n) + PACKED_PREFETCH) * (row_bytes), (row_bytes),         \
+                      (d) + ((n) + PACKED_PREFETCH) * (nb), (m) ? (m) + ((n) + PACKED_PREFETCH) * (nb) : NULL, (nb));
+
 /* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32; every array contiguous); W's rows (or pairs of
  * rows, where TAKES_PAIRS) split among `threads` OpenMP threads (torch's
  * count, passed on each call). Either way an output is computed by the same operations. */
-#define LINEAR_BODY(CALL)                                                              \
+#define LINEAR_BODY(CALL, PREFETCH)                                                    \
     if (TAKES_PAIRS(R, K)) {                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t p = 0; p < (N + 1) / 2; p++) {                                                      \
             const int64_t n = 2 * p;                                                                     \
             const int pair = n + 1 < N;                                                                  \
             const int64_t group = pair ? PAIR_GROUP : ROW_GROUP;                                         \
+            PREFETCH(n) PREFETCH(n + 1)                                                                  \
             for (int64_t r0 = 0; r0 < R; r0 += group) {                                                  \
                 const int64_t g = R - r0 < group ? R - r0 : group;                                       \
                 if (pair) DISPATCH_PAIR(CALL) else DISPATCH_ONE(CALL)                                    \
@@ -194,6 +214,7 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
     } else {                                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t n = 0; n < N; n++) {                                                                \
+            PREFETCH(n)                                                                                  \
             for (int64_t r0 = 0; r0 < R; r0 += ROW_GROUP) {                                              \
                 const int64_t g = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;                               \
                 DISPATCH_ONE(CALL)                                                                       \
@@ -204,14 +225,18 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
 void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, const float *d,
                         const float *m, int64_t N, float *y, int threads) {
 #define Q4(G, WR) rows(1, G, WR, x + r0 * K, K, q + n * (K / 2), d + n * (K / BLOCK), m + n * (K / BLOCK), y + r0 * N + n, N)
-    LINEAR_BODY(Q4)
+#define AHEAD(n) PREFETCH_AHEAD(n, q, K / 2, d, m, K / BLOCK)
+    LINEAR_BODY(Q4, AHEAD)
+#undef AHEAD
 #undef Q4
 }
 
 void diffspec_q8_linear(const float *x, int64_t R, int64_t K, const int8_t *q, const float *d,
                         int64_t N, float *y, int threads) {
 #define Q8(G, WR) rows(0, G, WR, x + r0 * K, K, q + n * K, d + n * (K / BLOCK), NULL, y + r0 * N + n, N)
-    LINEAR_BODY(Q8)
+#define AHEAD(n) PREFETCH_AHEAD(n, q, K, d, (const float *)NULL, K / BLOCK)
+    LINEAR_BODY(Q8, AHEAD)
+#undef AHEAD
 #undef Q8
 }
 

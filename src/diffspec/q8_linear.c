@@ -451,6 +451,25 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const uint16_
  * a group's quantized rows stay in L1 while the tile's rows pass over them); tiles split among the threads. The
  * tiling only orders whole outputs: each (row, weight row) output is still one q8_rows call, the same operations. */
 #define Q8_TILE 32
+/* Weight rows are read once a pass and not again until the next pass (96 MB for SmolLM2, three times the L3), so the
+ * kernel asks for each row Q8_PREFETCH rows ahead with a non-temporal hint: the codes stream past without pushing
+ * out of the caches what the pass and the torch operations between passes reuse (the KV cache, the activations,
+ * the operations' own code and data). 0: no prefetch. */
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 8
+#endif
+QINLINE void q8_prefetch_row(const uint8_t *codes, int64_t row_bytes, const uint16_t *scales, const uint16_t *offsets,
+                             int64_t nb) {
+    /* locality 0: prefetchnta on x86 (a hint: no build changes what the kernel computes) */
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(codes + b, 0, 0);
+    __builtin_prefetch(scales, 0, 0);
+    __builtin_prefetch(scales + nb - 1, 0, 0);
+    if (offsets) {
+        __builtin_prefetch(offsets, 0, 0);
+        __builtin_prefetch(offsets + nb - 1, 0, 0);
+    }
+}
+
 void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_t *codes, const uint16_t *scales,
                            const uint16_t *offsets, int64_t N, float *y, int threads) {
     const int64_t xrow = diffspec_q8_xrow_bytes(K), nb = K / QBLOCK;
@@ -464,6 +483,9 @@ void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_
                 const uint8_t *W = codes + n * row_bytes;
                 const uint16_t *D = scales + n * nb, *M = offsets ? offsets + n * nb : NULL;
                 float *Y = y + r0 * N + n;
+                if (Q8_PREFETCH > 0 && r0 == 0 && n + Q8_PREFETCH < N)
+                    q8_prefetch_row(codes + (n + Q8_PREFETCH) * row_bytes, row_bytes, scales + (n + Q8_PREFETCH) * nb,
+                                    offsets ? offsets + (n + Q8_PREFETCH) * nb : NULL, nb);
                 if (offsets) { Q8_CASES(1) } else { Q8_CASES(0) }
             }
         }
