@@ -710,6 +710,65 @@ def test_a_request_after_a_longer_one_drafts_as_in_a_fresh_engine(tiny_model, ot
     assert after.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("kind", ["block", "masked", "masked-unshifted", "conditioned", "conditioned-q8", "ar"])
+def test_after_rounds_without_drafting_each_draft_is_a_fresh_drafters_on_the_same_context(tiny_model, other_model,
+                                                                                           tokenizer, kind):
+    """A draft length of 0 (speculation off for a round) must not leave a drafter's state stale (a TensorRT-LLM bug:
+    its next drafts came from an old context). Outputs cannot show it, so every draft of a request whose rounds
+    alternate drafting and plain steps is compared with the draft a fresh drafter makes from the same context."""
+    from diffspec import AutoregressiveDrafter
+
+    from helpers import AlternatingPolicy
+
+    def drafter(t):
+        return AutoregressiveDrafter(other_model, tokenizer) if kind == "ar" else make(kind, t, len(tokenizer))
+
+    target = Target(tiny_model, tokenizer)
+    d = drafter(target)
+    calls = []
+    propose = d.propose
+
+    def recording(context, policy, limit, sampling, generator=None):
+        draft = propose(context, policy, limit, sampling, generator)
+        calls.append((context.clone(), limit, draft.tokens.tolist()))
+        return draft
+
+    d.propose = recording
+    out = SpeculativeEngine(target, d, AlternatingPolicy(3)).generate(list(range(11, 31)), max_new_tokens=24,
+                                                                       stop_token_ids=[])
+    assert out.token_ids == reference_greedy(tiny_model, list(range(11, 31)), 24, stop_ids=())
+    assert len(calls) >= 4 and sum(r.drafted == 0 for r in out.rounds) >= 4  # drafting after plain steps
+    fresh_target = Target(tiny_model, tokenizer)
+    for context, limit, tokens in calls:
+        fresh = drafter(fresh_target)
+        fresh.attach(fresh_target)
+        fresh.begin(context)
+        if fresh.capabilities.needs_target_hidden_states:
+            fresh_target.reset()
+            fresh.observe(fresh_target.prefill(context[:-1], len(context) + 8, hidden_layers=fresh.target_layer_ids),
+                          start=0)
+        assert fresh.propose(context, FixedPolicy(3), limit, SamplingParams(), None).tokens.tolist() == tokens, len(context)
+
+
+def test_a_conditioned_drafter_without_the_targets_features_refuses_to_draft(tiny_model, tokenizer):
+    """Run without the target's hidden states (llama.cpp#26884: acceptance collapsed silently), the drafter says so
+    instead of drafting from features it does not have; with them up to the anchor it drafts."""
+    target = Target(tiny_model, tokenizer)
+    d = make("conditioned", target, len(tokenizer))
+    d.attach(target)
+    context = torch.tensor(list(range(11, 25)))
+    d.begin(context)
+    with pytest.raises(RuntimeError, match="features for 0 positions, context needs 13: was the engine told"):
+        d.propose(context, FixedPolicy(3), 10, SamplingParams(), None)
+    d.observe(target.prefill(context[:-2], 20, hidden_layers=d.target_layer_ids), start=0)  # one position short
+    with pytest.raises(RuntimeError, match="features for 12 positions, context needs 13"):
+        d.propose(context, FixedPolicy(3), 10, SamplingParams(), None)
+    target.reset()
+    d.begin(context)
+    d.observe(target.prefill(context[:-1], 20, hidden_layers=d.target_layer_ids), start=0)
+    assert len(d.propose(context, FixedPolicy(3), 10, SamplingParams(), None).tokens) == 3
+
+
 @pytest.mark.parametrize("kind", ["block", "masked", "conditioned", "ar"])
 def test_a_drafters_q_follows_the_requests_sampling_settings(tiny_model, other_model, tokenizer, kind):
     """Rejection sampling is exact for any q, so the distribution tests cannot see a drafter that ignores the
