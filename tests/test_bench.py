@@ -447,7 +447,29 @@ def test_lossless_check_catches_a_deviating_method(target, prompt_file, tmp_path
     assert rows["broken"]["first_difference"] == rows["broken"]["new_tokens"] - 1
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert len(record["lossless_failures"]) == 2 and record["best"]["mine"] == "plain"
-    assert "LOSSLESS FAILURES" in (tmp_path / "out" / "summary.md").read_text()
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "LOSSLESS FAILURES" in md
+    # the parity rate beside the verdict (what a bfloat16 target reports): here no prompt stayed identical
+    broken = [e for e in record["summary"] if e["method"] == "broken" and e["dataset"] == "mine"][0]
+    assert (broken["identical_prompts"], broken["compared_prompts"]) == (0, 2)
+    assert "| **NO** (0/2 identical) |" in md
+
+
+def test_a_bfloat16_target_says_in_every_result_that_its_speculative_output_can_part_from_plain():
+    """bfloat16 passes of several rows round unlike one-token steps (pitfalls: exact in fp32, not in fp16/bf16), so
+    an engine that drafts on such a target says so in its results' notes; float32 and float64 say nothing."""
+    from diffspec import PromptLookupDrafter, Target
+
+    for dtype, noted in ((torch.bfloat16, True), (torch.float32, False), (torch.float64, False)):
+        target = Target(make_model(64, seed=3, dtype=dtype))
+        engine = SpeculativeEngine(target, PromptLookupDrafter(), make_policy("fixed", gamma=3))
+        result = engine.generate([5, 6, 7, 5, 6], max_new_tokens=4, stop_token_ids=[])
+        note = [n for n in result.notes if "round differently from its one-token steps" in n]
+        assert bool(note) == noted, dtype
+        if noted:
+            assert "bfloat16" in note[0] and "--dtype float32" in note[0]
+        assert not [n for n in SpeculativeEngine(target).generate([5, 6], max_new_tokens=2).notes
+                    if "one-token steps" in n]  # plain decoding: nothing to part from
 
 
 # --- the command line --------------------------------------------------------------------------

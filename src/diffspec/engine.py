@@ -66,8 +66,10 @@ class SpeculativeEngine:
         self.policy = policy or FailFastPolicy()
         self.policy.attach(target, drafter, engine_type=type(self))
         cap = drafter.max_tokens_per_round if drafter is not None else None
-        # parameters that a drafter's per-round cap makes moot: said once, in every result's stats
-        self.notes: tuple = self.policy.cap_notes(cap) if cap is not None else ()
+        # parameters that a drafter's per-round cap makes moot, and a target whose verify rows round unlike its
+        # one-token steps: said once, in every result's stats
+        rounding = getattr(target, "rounding_note", None) if drafter is not None else None
+        self.notes: tuple = (self.policy.cap_notes(cap) if cap is not None else ()) + ((rounding,) if rounding else ())
 
     # --- public API ----------------------------------------------------------------------
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, sampling: Optional[SamplingParams] = None,

@@ -167,6 +167,9 @@ class TargetBase:
     #: two logits tie to within that; the tests run float64 targets, where they agree exactly.
     speculation_exact = True
     inexact_reason = ""
+    #: where the target's arithmetic is one whose k-row passes round unlike its one-token steps often enough to
+    #: matter (bfloat16, float16), what the engine says in every result's notes (None: float32 and float64)
+    rounding_note: Optional[str] = None
 
     #: whether the default drafter (`auto`) may include one that reads hidden states on this backend
     #: (False where reading them costs every pass more than such a drafter was measured to give back)
@@ -295,6 +298,12 @@ class Target(TargetBase):
         self.max_context = int(min(max_context, limit) if max_context else limit)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.dtype not in (torch.float32, torch.float64):
+            name = str(self.dtype).replace("torch.", "")
+            self.rounding_note = (f"a {name} target's passes of several rows round differently from its one-token "
+                                  f"steps: speculative greedy output can part from plain decoding's at a near-tie "
+                                  f"(diffspec bench reports the share of prompts that stay identical); --dtype "
+                                  f"float32 keeps it token-identical")
         # what transformers' generate stops on, plus the end of an assistant turn in the chat template
         self.stop_token_ids = frozenset(generation_eos_ids(model) | chat_stop_token_ids(tokenizer))
         self.forward_passes = 0

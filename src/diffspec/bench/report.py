@@ -132,6 +132,8 @@ def summarize(rows: Sequence[dict]) -> list:
             "hidden_state_rounds": sum(r.get("hidden_state_rounds") or 0 for r in rs),
             "draft_length_histogram": sum_histograms(_row_histogram(r) for r in rs),
             "lossless": _lossless(rs),
+            "identical_prompts": sum(r.get("lossless") is True for r in rs),
+            "compared_prompts": sum(r.get("lossless") is not None for r in rs),
             "weights": rs[0].get("weights"), "policy": rs[0].get("policy"),
         })
     return out
@@ -194,6 +196,13 @@ def _yes_no(flag: Optional[bool]) -> str:
     return {True: "yes", False: "**NO**", None: "n/a"}[flag]
 
 
+def _lossless_cell(entry: dict) -> str:
+    """yes / n/a, or **NO** with the share of prompts still identical to plain (a bfloat16 target's parity rate)."""
+    if entry["lossless"] is False and entry.get("compared_prompts"):
+        return f"**NO** ({entry['identical_prompts']}/{entry['compared_prompts']} identical)"
+    return _yes_no(entry["lossless"])
+
+
 def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) -> str:
     """summary.md: command, machine, settings, the table (best marked), methods, failures, plots."""
     m, s = result.machine, result.settings
@@ -210,7 +219,8 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
              "(mean, median, min-max over prompts; the mean weighs a short prompt like a long one); "
              "tok/s = total new tokens / total time; "
              "lossless = token-identical to plain on every prompt (n/a when sampling, and for a peer running "
-             "its own loop, e.g. llama.cpp's: compared, not judged); "
+             "its own loop, e.g. llama.cpp's: compared, not judged; where it is not, how many prompts stayed "
+             "identical: a bfloat16 target's parity rate); "
              "best = highest throughput ratio among configurations not shown lossy.", "",
              "| dataset | method | prompts | throughput ratio | per-prompt speedup mean | median | min-max | "
              "mean acc. len | tok/s | target passes | drafter passes | lossless | best |",
@@ -222,7 +232,7 @@ def markdown(result, summary: Sequence[dict], best: dict, plots: Sequence[str]) 
                      f"{_fmt(e['speedup_mean'], 'x')} | "
                      f"{_fmt(e['speedup_median'], 'x')} | {spread} | {_fmt(e['mean_accepted_length'])} | "
                      f"{_fmt(e['tokens_per_s'], '', 1)} | {_fmt(e['target_forward_passes_mean'], '', 1)} | "
-                     f"{_fmt(e['drafter_forward_passes_mean'], '', 1)} | {_yes_no(e['lossless'])} | {mark} |")
+                     f"{_fmt(e['drafter_forward_passes_mean'], '', 1)} | {_lossless_cell(e)} | {mark} |")
     profile = round_profile(result.rows)
     if profile:
         lines += ["", "## Where a round's time goes (all prompts)", "",
