@@ -182,18 +182,24 @@ INLINE void rows(const int Q4, const int G, const int WR, const float *x, int64_
 #ifndef PACKED_PREFETCH
 #define PACKED_PREFETCH 8
 #endif
+/* every line of a row's codes (bytes), scales d and offsets m (nb each; m may be NULL) */
 INLINE void prefetch_rows(const uint8_t *q, int64_t bytes, const float *d, const float *m, int64_t nb) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(q + b, 0, 0);
+    __builtin_prefetch(q + bytes - 1, 0, 0);
     for (int64_t b = 0; b < nb; b += 16) {
         __builtin_prefetch(d + b, 0, 0);
         if (m) __builtin_prefetch(m + b, 0, 0);
     }
+    __builtin_prefetch(d + nb - 1, 0, 0);
+    if (m) __builtin_prefetch(m + nb - 1, 0, 0);
 }
-/* weight row n + PACKED_PREFETCH (rows of row_bytes, nb scales each) */
-#define PREFETCH_AHEAD(n, q, row_bytes, d, m, nb)                                                        \
-    if (PACKED_PREFETCH > 0 && (n) + PACKED_PREFETCH < N)                                                \
-        prefetch_rows((const uint8_t *)(q) + ((n) + PACKED_PREFETCH) * (row_bytes), (row_bytes),         \
-                      (d) + ((n) + PACKED_PREFETCH) * (nb), (m) ? (m) + ((n) + PACKED_PREFETCH) * (nb) : NULL, (nb));
+/* weight row `ahead` = n + PACKED_PREFETCH of N (rows of row_bytes bytes, nb scales each) */
+INLINE void prefetch_ahead(int64_t n, int64_t N, const void *q, int64_t row_bytes, const float *d, const float *m,
+                           int64_t nb) {
+    const int64_t ahead = n + PACKED_PREFETCH;
+    if (PACKED_PREFETCH > 0 && ahead < N)
+        prefetch_rows((const uint8_t *)q + ahead * row_bytes, row_bytes, d + ahead * nb, m ? m + ahead * nb : NULL, nb);
+}
 
 /* y[R, N] = x[R, K] @ W^T for a Q4 weight (K a multiple of 32; every array contiguous); W's rows (or pairs of
  * rows, where TAKES_PAIRS) split among `threads` OpenMP threads (torch's
@@ -205,7 +211,7 @@ INLINE void prefetch_rows(const uint8_t *q, int64_t bytes, const float *d, const
             const int64_t n = 2 * p;                                                                     \
             const int pair = n + 1 < N;                                                                  \
             const int64_t group = pair ? PAIR_GROUP : ROW_GROUP;                                         \
-            PREFETCH(n) PREFETCH(n + 1)                                                                  \
+            PREFETCH(n); PREFETCH(n + 1);                                                                \
             for (int64_t r0 = 0; r0 < R; r0 += group) {                                                  \
                 const int64_t g = R - r0 < group ? R - r0 : group;                                       \
                 if (pair) DISPATCH_PAIR(CALL) else DISPATCH_ONE(CALL)                                    \
@@ -214,7 +220,7 @@ INLINE void prefetch_rows(const uint8_t *q, int64_t bytes, const float *d, const
     } else {                                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t n = 0; n < N; n++) {                                                                \
-            PREFETCH(n)                                                                                  \
+            PREFETCH(n);                                                                                 \
             for (int64_t r0 = 0; r0 < R; r0 += ROW_GROUP) {                                              \
                 const int64_t g = R - r0 < ROW_GROUP ? R - r0 : ROW_GROUP;                               \
                 DISPATCH_ONE(CALL)                                                                       \
@@ -225,7 +231,7 @@ INLINE void prefetch_rows(const uint8_t *q, int64_t bytes, const float *d, const
 void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, const float *d,
                         const float *m, int64_t N, float *y, int threads) {
 #define Q4(G, WR) rows(1, G, WR, x + r0 * K, K, q + n * (K / 2), d + n * (K / BLOCK), m + n * (K / BLOCK), y + r0 * N + n, N)
-#define AHEAD(n) PREFETCH_AHEAD(n, q, K / 2, d, m, K / BLOCK)
+#define AHEAD(n) prefetch_ahead(n, N, q, K / 2, d, m, K / BLOCK)
     LINEAR_BODY(Q4, AHEAD)
 #undef AHEAD
 #undef Q4
@@ -234,7 +240,7 @@ void diffspec_q4_linear(const float *x, int64_t R, int64_t K, const uint8_t *q, 
 void diffspec_q8_linear(const float *x, int64_t R, int64_t K, const int8_t *q, const float *d,
                         int64_t N, float *y, int threads) {
 #define Q8(G, WR) rows(0, G, WR, x + r0 * K, K, q + n * K, d + n * (K / BLOCK), NULL, y + r0 * N + n, N)
-#define AHEAD(n) PREFETCH_AHEAD(n, q, K, d, (const float *)NULL, K / BLOCK)
+#define AHEAD(n) prefetch_ahead(n, N, q, K, d, NULL, K / BLOCK)
     LINEAR_BODY(Q8, AHEAD)
 #undef AHEAD
 #undef Q8

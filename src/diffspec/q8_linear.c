@@ -29,7 +29,8 @@
  *     holds (SmolLM2's Q4_1 rows of 576: 360 bytes, not 544), which is what a one-row step is bound by.
  *   activations, per row (XROW_BYTES): a group is 8 chunks of 64 bytes, chunk c = positions 4c .. 4c + 3 of each
  *     block; a pair is A's 0-15, B's 0-15, A's 16-31, B's 16-31; then float dx[S], float sx[S] (dx * sum xq),
- *     int32 corr[16 * (G + P)] (128 * the sum of the xq a lane reads: a Q8 weight's + 128 taken back), S as above. */
+ *     int32 corr[16 * (G + P)] (128 * the sum of the xq a lane reads: a Q8 weight's + 128 taken back),
+ *     S = 16 * (G + ceil(P / 8)). */
 
 #include <float.h>
 #include <math.h>
@@ -460,14 +461,17 @@ QINLINE void q8_rows(const int Q4, const int G, const uint8_t *wq, const uint16_
 #endif
 QINLINE void q8_prefetch_row(const uint8_t *codes, int64_t row_bytes, const uint16_t *scales, const uint16_t *offsets,
                              int64_t nb) {
-    /* locality 0: prefetchnta on x86 (a hint: no build changes what the kernel computes) */
+    /* every line the row's codes, scales and offsets touch (a row need not start on a line); locality 0: prefetchnta
+     * on x86 (a hint: no build changes what the kernel computes) */
+    const char *s = (const char *)scales, *o = (const char *)offsets;
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(codes + b, 0, 0);
-    __builtin_prefetch(scales, 0, 0);
-    __builtin_prefetch(scales + nb - 1, 0, 0);
-    if (offsets) {
-        __builtin_prefetch(offsets, 0, 0);
-        __builtin_prefetch(offsets + nb - 1, 0, 0);
+    __builtin_prefetch(codes + row_bytes - 1, 0, 0);
+    for (int64_t b = 0; b < 2 * nb; b += 64) {
+        __builtin_prefetch(s + b, 0, 0);
+        if (o) __builtin_prefetch(o + b, 0, 0);
     }
+    __builtin_prefetch(s + 2 * nb - 1, 0, 0);
+    if (o) __builtin_prefetch(o + 2 * nb - 1, 0, 0);
 }
 
 void diffspec_q8act_linear(const uint8_t *xq, int64_t R, int64_t K, const uint8_t *codes, const uint16_t *scales,
