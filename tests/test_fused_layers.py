@@ -111,6 +111,34 @@ def assert_wide_passes_equal_one_row_steps(direct, config, ids: torch.Tensor, st
             assert same_bits(a.keys[:, :, :start + n], b.keys[:, :, :start + n])
 
 
+def test_the_final_norm_runs_in_the_call_and_the_head_reads_its_rows(packed, monkeypatch):
+    """The model's final RMSNorm runs at the end of the fused call (no torch call for it): the last hidden state is
+    its rows, within float32 rounding of torch's norm of the last layer's output, and the logits are the head of
+    exactly those rows. Where the norm's weight is not a contiguous float32 one the torch norm runs instead."""
+    model, plan = packed
+    fused, _ = passes(model, plan)
+    assert fused.fused.final_norm is model.model.norm
+    norm_calls = []
+    original = LP._rms_norm
+    monkeypatch.setattr(LP, "_rms_norm", lambda x, norm: norm_calls.append(norm) or original(x, norm))
+    ids = torch.randint(3, 96, (30,), generator=torch.Generator().manual_seed(5))
+    cache = new_cache(model.config)
+    for lo, hi in ((0, 20), (20, 21), (21, 24)):
+        out = fused.forward(ids[lo:hi].view(1, -1), cache, output_hidden_states=True)
+        last_layer, normed = out.hidden_states.outputs[-1].unsqueeze(0), out.hidden_states[-1]  # (the call's buffer)
+        close(normed, original(last_layer, model.model.norm))
+        assert same_bits(out.logits, model.lm_head(normed))
+    assert model.model.norm not in norm_calls
+    weight = model.model.norm.weight.data
+    model.model.norm.weight.data = weight.repeat_interleave(2)[::2]  # the same values, not contiguous: not the call's
+    try:
+        out = fused.forward(ids[24:25].view(1, 1), cache, output_hidden_states=True)
+        assert model.model.norm in norm_calls
+        close(out.hidden_states[-1], original(out.hidden_states.outputs[-1].unsqueeze(0), model.model.norm))
+    finally:
+        model.model.norm.weight.data = weight
+
+
 def record_fused_calls(monkeypatch) -> list:
     """From now on (until monkeypatch undoes it), each FusedLayers.run call appends (its rows, whether it ran)."""
     calls = []

@@ -71,6 +71,43 @@ def test_the_direct_pass_equals_transformers_bitwise(dtype, gqa):
     assert_transformers_bitwise(model, LP.LlamaPass(model), 70)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_cuts_the_modules_own_rows_bitwise_and_grows(dtype):
+    """The table (made once, cut per pass) gives what the rotary module gives the pass, past its first size too,
+    and is made anew when the module's frequencies change."""
+    model = make_model(70, seed=2, dtype=dtype, max_pos=8192)
+    rotary = model.model.rotary_emb
+    table = LP.RotaryTable(rotary)
+    assert table.applies
+    h = torch.zeros(1, 1, 32, dtype=dtype)
+    rng = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(200):
+            n = int(torch.randint(1, 34, (1,), generator=rng))
+            start = int(torch.randint(0, 3000, (1,), generator=rng))
+            cos, sin = table.rows(h, start, n)
+            want_cos, want_sin = rotary(h, position_ids=torch.arange(start, start + n).unsqueeze(0))
+            assert same_bits(cos, want_cos) and same_bits(sin, want_sin), (start, n)
+        assert table._cos.shape[1] >= 3033  # grown past MIN_POSITIONS
+        before = table.rows(h, 5, 1)[0].clone()
+        rotary.inv_freq.mul_(2)  # new frequencies (in place: the same storage)
+        cos, _ = table.rows(h, 5, 1)
+        assert same_bits(cos, rotary(h, position_ids=torch.tensor([[5]]))[0]) and not torch.equal(cos, before)
+
+
+def test_rotary_kinds_that_rescale_with_the_length_keep_calling_the_module(monkeypatch):
+    model = make_model(70, seed=2, dtype=torch.float32)
+    rotary = model.model.rotary_emb
+    monkeypatch.setattr(rotary, "rope_type", "dynamic")
+    assert LP.RotaryTable(rotary).rows(torch.zeros(1, 1, 32), 0, 1) is None
+    calls = []
+    original = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    direct = LP.LlamaPass(model)
+    direct.forward(torch.tensor([[3, 4]]), new_cache(model.config))
+    assert calls  # the module itself ran
+
+
 def test_rms_norm_rows_as_wide_as_smollm2s_equal_transformers_bitwise():
     model = make_model(70, seed=4, layers=1, hidden=576, dtype=torch.float32)  # torch's rms_norm on 576-wide rows
     assert_transformers_bitwise(model, LP.LlamaPass(model), 70)

@@ -361,14 +361,19 @@ INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D,
 
 void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t start, int64_t D, int64_t H,
                            int64_t KV, int64_t hd, int64_t F, float eps, float scale, const float *cos,
-                           const float *sin, float *h, float *hidden, float *work, int threads, int q8) {
-    /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq */
+                           const float *sin, float *h, float *hidden, float *work, int threads, int q8,
+                           const float *final_norm, float final_eps, float *normed) {
+    /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq. final_norm (or NULL):
+     * the model's final RMSNorm weight [D]: its rows of h go to normed [n, D] (the same rms_norm as the layers'; a
+     * torch call for it cost ~0.2 ms a step, its code out of cache after the weights stream through) */
     WORK_PARTS(n, D, H, KV, hd, F, start + n, threads, q8)
     for (int64_t l = 0; l < L; l++) {
         decoder_layer(table + l * LAYER_FIELDS, n, start, D, H, KV, hd, F, eps, scale, cos, sin, h, xn, qkv, att, gu,
                       act, scores, xq, threads, NULL, 0);
         if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
     }
+    if (final_norm)
+        for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, final_norm, D, final_eps, normed + i * D);
 }
 
 /* The conditioned drafter's block (drafters/conditioned_fused.py): its layers over the block's n rows at positions

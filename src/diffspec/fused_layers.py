@@ -53,7 +53,7 @@ def build_library(isa_flags: tuple):
     lib.diffspec_fused_work_floats.argtypes = [i64] * 7 + [ctypes.c_int]
     lib.diffspec_fused_work_floats.restype = i64
     lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
-                                          ptr, ptr, ctypes.c_int, ctypes.c_int]
+                                          ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, f32, ptr]
     lib.diffspec_fused_layers.restype = None
     lib.diffspec_batch_attend.argtypes = [i64, i64, i64, i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr,
                                           ctypes.c_int]
@@ -92,7 +92,7 @@ class FusedLayers:
     where it does not apply (then the torch operations run it)."""
 
     def __init__(self, layers: Sequence, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                 isa_flags: tuple = NATIVE):
+                 isa_flags: tuple = NATIVE, final_norm: Optional[torch.nn.Module] = None):
         if not layers:
             raise ValueError("fused layers: no decoder layers")
         self.lib = build_library(isa_flags)
@@ -110,6 +110,11 @@ class FusedLayers:
                      and not isinstance(self.lib, KernelUnavailable))
         self.isa = self.lib.diffspec_packed_isa().decode() if self.fits else None
         self._norm_params = [m._parameters for l in self.layers for m in (l.input_norm, l.post_norm)]
+        # the model's final RMSNorm, run at the end of the call where it is a float32 one of the hidden width (its
+        # rows come back beside the last layer's; else None: the caller norms them)
+        self.final_norm = final_norm if (final_norm is not None and hasattr(final_norm, "variance_epsilon")
+                                         and final_norm.weight.dtype == torch.float32
+                                         and final_norm.weight.shape == (hidden,)) else None
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
         self._q8 = False         # whether the table's packs are q8_linear.c's layout (`--kernels q8`)
@@ -169,9 +174,9 @@ class FusedLayers:
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layers, start: int,
             hidden_states: bool) -> Optional[tuple]:
         """The layers over rows h [n, D] (float32, at positions start.., cos/sin [n, head dim]) on the cache's
-        position-indexed layers -> (last layer's output [n, D], each layer's output [L, n, D] or None), the cache's
-        layers advanced by n; or None where the call does not apply (nothing is changed then but room made in the
-        cache's buffers)."""
+        position-indexed layers -> (last layer's output [n, D], each layer's output [L, n, D] or None, the final
+        norm's output [n, D] or None where `final_norm` is None), the cache's layers advanced by n; or None where the
+        call does not apply (nothing is changed then but room made in the cache's buffers)."""
         n = h.shape[0]
         if not self.fits or h.dtype != torch.float32 or not h.is_cpu or h.dim() != 2 or h.shape[1] != self.hidden \
                 or len(cache_layers) != len(self.layers):
@@ -201,13 +206,20 @@ class FusedLayers:
         work = torch.empty(lib.diffspec_fused_work_floats(n, self.hidden, H, KV, D, self.ffn, start + n, threads),
                            dtype=torch.float32)
         hidden = torch.empty(len(self.layers), n, self.hidden, dtype=torch.float32) if hidden_states else None
+        norm = self.final_norm  # (weights can be replaced or cast between passes: taken only as they are now)
+        if norm is not None and (norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous()
+                                 or norm.weight.device.type != "cpu"):
+            norm = None
+        normed = torch.empty(n, self.hidden, dtype=torch.float32) if norm is not None else None
         lib.diffspec_fused_layers(len(self.layers), table.data_ptr(), n, start, self.hidden, H, KV, D, self.ffn,
                                   self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                                   0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads,
-                                  int(self._q8))
+                                  int(self._q8), 0 if norm is None else norm.weight.data_ptr(),
+                                  0.0 if norm is None else float(norm.variance_epsilon),
+                                  0 if normed is None else normed.data_ptr())
         for c in cache_layers:
             c.advance(n)
-        return x, hidden
+        return x, hidden, normed
 
 
 def available(isa_flags: tuple = NATIVE) -> bool:
@@ -239,3 +251,4 @@ def batch_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, firs
                               q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(),
                               threads)
     return out
+
