@@ -93,15 +93,16 @@ def test_a_row_is_bitwise_the_same_in_a_one_row_step_and_in_any_wider_pass(packe
     assert_wide_passes_equal_one_row_steps(fused, model.config, ids)
 
 
-def assert_wide_passes_equal_one_row_steps(direct, config, ids: torch.Tensor, start: int = 40) -> None:
+def assert_wide_passes_equal_one_row_steps(direct, config, ids: torch.Tensor, start: int = 40, storage=None) -> None:
     """After a prefill of `start` tokens, passes of 2-24 rows give bitwise what as many one-row steps give: the
-    logits, a layer's output (what a conditioned drafter reads), the last layer's, and the cache's keys."""
-    steps_cache = new_cache(config)
+    logits, a layer's output (what a conditioned drafter reads), the last layer's, and the cache's keys (held as
+    `storage` where given)."""
+    steps_cache = new_cache(config, storage=storage)
     direct.forward(ids[:start].view(1, start), steps_cache)
     steps = [direct.forward(ids[start + i:start + i + 1].view(1, 1), steps_cache, output_hidden_states=True)
              for i in range(24)]
     for n in (2, 3, 5, 8, 9, 16, 24):
-        cache = new_cache(config)
+        cache = new_cache(config, storage=storage)
         direct.forward(ids[:start].view(1, start), cache)
         wide = direct.forward(ids[start:start + n].view(1, n), cache, output_hidden_states=True)
         assert same_bits(wide.logits[0], torch.cat([s.logits[0] for s in steps[:n]])), n

@@ -109,8 +109,60 @@ def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa, h
                                       target.model.config.hidden_size, isa_flags=ISAS[isa])
         assert direct.fused.isa == isa
     ids = torch.randint(3, 96, (90,), generator=torch.Generator().manual_seed(2))
-    assert_wide_passes_equal_one_row_steps(direct, target.model.config, ids)
+    assert target.kv_storage == torch.float16  # (the cache q8 runs on: float16 keys and values)
+    assert_wide_passes_equal_one_row_steps(direct, target.model.config, ids, storage=target.kv_storage)
     K.uninstall(target.model)
+
+
+@pytest.mark.parametrize("isa", ["native", *sorted(ISAS), "avx2-f16c"])
+def test_keys_and_values_round_to_float16_as_torch_rounds_on_every_build(isa):
+    """fused_layers.c's float16 rounding (plain C, and the build's vector form) is torch's (to nearest, ties to
+    even): normals, ties, subnormals, the overflow edge, infinities, NaN, zeros."""
+    from diffspec import fused_layers as FL
+    if isa.startswith("avx2") and not has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    flags = {"native": FL.NATIVE, "avx2-f16c": ("-mavx2", "-mfma", "-mf16c")}.get(isa) or ISAS[isa]
+    lib = FL.build_library(flags)
+    g = torch.Generator().manual_seed(0)
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    ties = (halves[:-1] + halves[1:]) / 2  # exactly halfway between neighbouring halves (float32 holds them)
+    x = torch.cat([torch.randn(4096, generator=g) * 10.0 ** torch.randint(-9, 6, (4096,), generator=g),
+                   halves, ties[torch.isfinite(ties)], torch.tensor([65504.0, 65519.99, 65520.0, 7e4, -7e4, 0.0,
+                   -0.0, 2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -24, 2.0 ** -14, 2.0 ** -14 * 0.99,
+                   float("inf"), float("-inf"), float("nan")])]).contiguous()
+    scalar, vector = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
+    lib.diffspec_half_round_check(x.data_ptr(), x.numel(), scalar.data_ptr(), vector.data_ptr())
+    want = x.half().view(torch.int16)
+    finite = ~torch.isnan(x)
+    assert torch.equal(scalar[finite], want[finite]) and torch.equal(vector[finite], want[finite])
+    assert torch.isnan(scalar.view(torch.float16)[~finite]).all() and torch.isnan(vector.view(torch.float16)[~finite]).all()
+
+
+def test_a_q8_targets_cache_holds_float16_keys_and_values_rounded_from_its_float32_ones():
+    """Under q8 the target's cache holds float16 keys and values (llama.cpp's cache; half the bytes attention
+    reads): layer 0's keys are the float32 pass's rounded to nearest even, the logits stay within the rounding's
+    reach of a float32 cache's, and the runtime and the cost key say so."""
+    target = q8_target()
+    assert target.kv_storage == torch.float16 and "float16" in target.runtime()["cache"]
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(8))
+    target.reset()
+    half_logits = target.forward(ids).logits
+    layer0 = target._cache.layers[0]
+    assert layer0._keys.dtype == torch.float16 and layer0.keys.dtype == torch.float16
+    f32_cache = new_cache(target.model.config)
+    f32_logits = target.direct_pass.forward(ids.view(1, -1), f32_cache).logits[0]
+    assert f32_cache.layers[0]._keys.dtype == torch.float32
+    assert same_bits(layer0.keys, f32_cache.layers[0].keys.half())
+    assert same_bits(layer0.values, f32_cache.layers[0].values.half())
+    assert not torch.equal(half_logits, f32_logits)
+    torch.testing.assert_close(half_logits, f32_logits, rtol=0, atol=0.05 * f32_logits.abs().max().item())
+    float32 = Target(coded_model(), kernels="multi-row")
+    assert float32.kv_storage is None and "float16" not in float32.runtime()["cache"]
+    keyed = target.base_fingerprint
+    target._fingerprint, target.kv_storage = None, None  # the same target keyed as if its cache held float32
+    assert target.base_fingerprint != keyed
+    K.uninstall(target.model)
+    K.uninstall(float32.model)
 
 
 def test_a_q8_target_runs_the_fused_call_at_any_width_a_long_prefill_included(monkeypatch):

@@ -60,11 +60,14 @@ class PositionalLayer(DynamicLayer):
     with the context). Past the capacity the buffers double (a copy, amortised over as many passes).
     Keys and values are views into the buffers: they are valid until the next pass."""
 
-    def __init__(self, capacity: int = 256, **kwargs):
+    def __init__(self, capacity: int = 256, storage: Optional[torch.dtype] = None, **kwargs):
         self._viewed = None  # the length `keys`/`values` were last cut (or assigned) at; None: cut when next read
         super().__init__(**kwargs)
         self.capacity = max(1, int(capacity))
         self.length = 0
+        # the buffers' dtype where it is not the passes' own (None: theirs): float16 under --kernels q8, as llama.cpp
+        # keeps its cache; the fused call writes and reads it directly, `update` hands the passes' dtype back
+        self.storage = storage
 
     # Keys and values are cut from the buffers when read, not at every length change: the fused layers'
     # one C call advances all 30 layers a step and reads none of these views (cutting 60 of them a step
@@ -93,8 +96,9 @@ class PositionalLayer(DynamicLayer):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self._keys = key_states.new_empty((b, h, self.capacity, d))
-        self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self._keys = key_states.new_empty((b, h, self.capacity, d), dtype=self.storage or key_states.dtype)
+        self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]),
+                                              dtype=self.storage or value_states.dtype)
         self.length = 0
         self._view()
         self.is_initialized = True
@@ -125,10 +129,12 @@ class PositionalLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         self.reserve(self.length + n)
-        self._keys[:, :, self.length:self.length + n] = key_states
+        self._keys[:, :, self.length:self.length + n] = key_states  # (rounded to nearest even into a float16 store)
         self._values[:, :, self.length:self.length + n] = value_states
         self.length += n
         self._view()
+        if self._keys.dtype != key_states.dtype:  # a float16 store: the held values, in the pass's dtype
+            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
     def advance(self, n: int) -> None:
@@ -153,17 +159,18 @@ class PositionalLayer(DynamicLayer):
         self._viewed = None
 
 
-def new_cache(config, capacity: Optional[int] = None) -> DynamicCache:
+def new_cache(config, capacity: Optional[int] = None, storage: Optional[torch.dtype] = None) -> DynamicCache:
     """An empty cache for a model with `config`, able to roll back (see the module docstring): its
     full-attention layers are position-indexed (`PositionalLayer`, preallocated for `capacity`
-    positions, default 256, growing as needed); its sliding-window layers record their past."""
+    positions, default 256, growing as needed; holding keys and values as `storage` where given); its
+    sliding-window layers record their past."""
     check_rollback(config)
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, DynamicSlidingWindowLayer):
             layer.activate_past_recording()
         elif type(layer) is DynamicLayer:
-            cache.layers[i] = PositionalLayer(capacity or 256)
+            cache.layers[i] = PositionalLayer(capacity or 256, storage=storage)
     return cache
 
 

@@ -197,26 +197,85 @@ INLINE float softmax_weights(float *restrict scores, int64_t last, float top) {
     return 1.0f / sum_of(scores, last + 1);
 }
 
+/* Keys and values held as IEEE float16 (the target's cache under --kernels q8, as llama.cpp's default cache):
+ * written rounded to nearest, ties to even, read back exactly (every half is a float). The conversions below give
+ * the same values on every build: to_half in plain C is the hardware's rounding (tested against torch's), and
+ * the vector forms are used where the build has them. */
+INLINE uint16_t to_half(float f) {
+    union { float f; uint32_t u; } v = { f };
+    const uint32_t sign = (v.u >> 16) & 0x8000u, x = v.u & 0x7fffffffu;
+    if (x > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((x >> 13) & 0x3ffu));  /* NaN: quiet, payload kept */
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                       /* >= 65520 (or inf): inf */
+    if (x < 0x38800000u) {                                                         /* under 2^-14: subnormal */
+        if (x < 0x33000000u) return (uint16_t)sign;                                /* under 2^-25: zero */
+        const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;  /* value / 2^-24 = m >> shift */
+        uint32_t r = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (r & 1u))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = x - 0x38000000u;  /* exponent 127 -> 15 bias */
+    const uint32_t rem = r & 0x1fffu;
+    r >>= 13;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;  /* (a carry moves into the exponent: still right) */
+    return (uint16_t)(sign | r);
+}
+
+/* hd floats -> float16 at dst */
+INLINE void store_half_row(uint16_t *restrict dst, const float *restrict x, int64_t hd) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= hd; j += 16)
+        _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtps_ph(_mm512_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; j + 8 <= hd; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < hd; j++) dst[j] = to_half(x[j]);
+}
+
+/* a vector of keys or values at element idx: float32, or float16 read exactly */
+INLINE vec kv_load(const void *base, int64_t idx, const int HALF) {
+    if (!HALF) return vload((const float *)base + idx);
+    const uint16_t *h = (const uint16_t *)base + idx;
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return q8_half8(h);
+#else
+    return q8_half(*h);
+#endif
+}
+
+INLINE float kv_at(const void *base, int64_t idx, const int HALF) {
+    return HALF ? q8_half(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
+}
+
+/* For the tests: to_half and store_half_row (this build's vector form) over x [n] */
+void diffspec_half_round_check(const float *x, int64_t n, uint16_t *scalar, uint16_t *vector) {
+    for (int64_t j = 0; j < n; j++) scalar[j] = to_half(x[j]);
+    store_half_row(vector, x, n);
+}
+
 /* One query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd], with hd = NV vectors
  * (a compile-time count once inlined: the query and the output stay in registers). Each score is one chain of
  * multiply-adds over the vectors then a fixed horizontal sum; the output sums the positions in order. */
-INLINE void attend_vectors(const int NV, const float *restrict q, const float *restrict keys,
-                           const float *restrict values, int64_t last, float scale, float *restrict scores,
+INLINE void attend_vectors(const int NV, const int HALF, const float *restrict q, const void *restrict keys,
+                           const void *restrict values, int64_t last, float scale, float *restrict scores,
                            float *restrict out) {
     vec qv[16], o[16];  /* (sized by the widest NV, not NV: an array of runtime size stayed in memory) */
     for (int c = 0; c < NV; c++) qv[c] = vload(q + c * LANES);
     float top = -INFINITY;
     int64_t p = 0;
     for (; p + 4 <= last + 1; p += 4) {  /* four positions side by side: four independent chains, each score the same */
-        const float *restrict k = keys + p * NV * LANES;
-        const int64_t w = NV * LANES;
-        vec a0 = vmul(qv[0], vload(k)), a1 = vmul(qv[0], vload(k + w));
-        vec a2 = vmul(qv[0], vload(k + 2 * w)), a3 = vmul(qv[0], vload(k + 3 * w));
+        const int64_t k = p * NV * LANES, w = NV * LANES;
+        vec a0 = vmul(qv[0], kv_load(keys, k, HALF)), a1 = vmul(qv[0], kv_load(keys, k + w, HALF));
+        vec a2 = vmul(qv[0], kv_load(keys, k + 2 * w, HALF)), a3 = vmul(qv[0], kv_load(keys, k + 3 * w, HALF));
         for (int c = 1; c < NV; c++) {
-            a0 = vfma(qv[c], vload(k + c * LANES), a0);
-            a1 = vfma(qv[c], vload(k + w + c * LANES), a1);
-            a2 = vfma(qv[c], vload(k + 2 * w + c * LANES), a2);
-            a3 = vfma(qv[c], vload(k + 3 * w + c * LANES), a3);
+            a0 = vfma(qv[c], kv_load(keys, k + c * LANES, HALF), a0);
+            a1 = vfma(qv[c], kv_load(keys, k + w + c * LANES, HALF), a1);
+            a2 = vfma(qv[c], kv_load(keys, k + 2 * w + c * LANES, HALF), a2);
+            a3 = vfma(qv[c], kv_load(keys, k + 3 * w + c * LANES, HALF), a3);
         }
         const float s0 = vsum(a0) * scale, s1 = vsum(a1) * scale, s2 = vsum(a2) * scale, s3 = vsum(a3) * scale;
         scores[p] = s0, scores[p + 1] = s1, scores[p + 2] = s2, scores[p + 3] = s3;
@@ -226,9 +285,9 @@ INLINE void attend_vectors(const int NV, const float *restrict q, const float *r
         top = s3 > top ? s3 : top;
     }
     for (; p <= last; p++) {
-        const float *restrict k = keys + p * NV * LANES;
-        vec acc = vmul(qv[0], vload(k));
-        for (int c = 1; c < NV; c++) acc = vfma(qv[c], vload(k + c * LANES), acc);
+        const int64_t k = p * NV * LANES;
+        vec acc = vmul(qv[0], kv_load(keys, k, HALF));
+        for (int c = 1; c < NV; c++) acc = vfma(qv[c], kv_load(keys, k + c * LANES, HALF), acc);
         const float s = vsum(acc) * scale;
         scores[p] = s;
         top = s > top ? s : top;
@@ -237,21 +296,20 @@ INLINE void attend_vectors(const int NV, const float *restrict q, const float *r
     for (int c = 0; c < NV; c++) o[c] = vzero();
     for (p = 0; p <= last; p++) {
         const vec w = vset1(scores[p]);
-        const float *restrict v = values + p * NV * LANES;
-        for (int c = 0; c < NV; c++) o[c] = vfma(w, vload(v + c * LANES), o[c]);
+        const int64_t v = p * NV * LANES;
+        for (int c = 0; c < NV; c++) o[c] = vfma(w, kv_load(values, v + c * LANES, HALF), o[c]);
     }
     const vec vinv = vset1(inv);
     for (int c = 0; c < NV; c++) vstore(out + c * LANES, vmul(o[c], vinv));
 }
 
 /* The same for any head width (one model always takes the same one of the two: rows stay invariant). */
-static void attend_any(const float *restrict q, const float *restrict keys, const float *restrict values,
-                       int64_t last, int64_t hd, float scale, float *restrict scores, float *restrict out) {
+static void attend_any(const float *restrict q, const void *restrict keys, const void *restrict values,
+                       int64_t last, int64_t hd, float scale, float *restrict scores, float *restrict out, int half) {
     float top = -INFINITY;
     for (int64_t p = 0; p <= last; p++) {
-        const float *restrict k = keys + p * hd;
         float s = 0.0f;
-        for (int64_t j = 0; j < hd; j++) s += q[j] * k[j];
+        for (int64_t j = 0; j < hd; j++) s += q[j] * kv_at(keys, p * hd + j, half);
         s *= scale;
         scores[p] = s;
         top = s > top ? s : top;
@@ -261,18 +319,21 @@ static void attend_any(const float *restrict q, const float *restrict keys, cons
     for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
     for (int64_t p = 0; p <= last; p++) {
         const float w = scores[p];
-        const float *restrict v = values + p * hd;
-        for (int64_t j = 0; j < hd; j++) acc[j] += w * v[j];
+        for (int64_t j = 0; j < hd; j++) acc[j] += w * kv_at(values, p * hd + j, half);
     }
     for (int64_t j = 0; j < hd; j++) out[j] = acc[j] * inv;
 }
 
-static void attend(const float *restrict q, const float *restrict keys, const float *restrict values, int64_t last,
-                   int64_t hd, float scale, float *restrict scores, float *restrict out) {
-#define NV_CASE(NV) case NV: attend_vectors(NV, q, keys, values, last, scale, scores, out); return;
+/* keys and values float32 (half 0) or float16 (half 1), [positions, hd] of one head */
+static void attend(const float *restrict q, const void *restrict keys, const void *restrict values, int64_t last,
+                   int64_t hd, float scale, float *restrict scores, float *restrict out, int half) {
+#define NV_CASE(NV) case NV: \
+    half ? attend_vectors(NV, 1, q, keys, values, last, scale, scores, out) \
+         : attend_vectors(NV, 0, q, keys, values, last, scale, scores, out); \
+    return;
     if (hd % LANES == 0) switch (hd / LANES) { NV_CASE(1) NV_CASE(2) NV_CASE(4) NV_CASE(8) NV_CASE(16) }
 #undef NV_CASE
-    attend_any(q, keys, values, last, hd, scale, scores, out);
+    attend_any(q, keys, values, last, hd, scale, scores, out, half);
 }
 
 /* What one layer holds: a table of LAYER_FIELDS addresses per layer (fused_layers.py builds it). */
@@ -311,10 +372,11 @@ int64_t diffspec_fused_work_floats(int64_t n, int64_t D, int64_t H, int64_t KV, 
 INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D, int64_t H, int64_t KV, int64_t hd,
                           int64_t F, float eps, float scale, const float *cos, const float *sin, float *h, float *xn,
                           float *qkv, float *att, float *gu, float *act, float *scores, uint8_t *xq, int threads,
-                          const float *qk_norm, int block) {
+                          const float *qk_norm, int block, int kv_half) {
     const int64_t QKV = (H + 2 * KV) * hd, group = H / KV, positions = start + n;
     const int64_t cap = t[CAPACITY];
     float *kc = (float *)t[K_CACHE], *vc = (float *)t[V_CACHE];
+    uint16_t *kh = (uint16_t *)t[K_CACHE], *vh = (uint16_t *)t[V_CACHE];  /* (kv_half: the cache holds float16) */
     for (int64_t i = 0; i < n; i++) rms_norm(h + i * D, (const float *)t[IN_NORM], D, eps, xn + i * D);
     linear(xn, n, D, (const void *)t[QKV_CODES], (const float *)t[QKV_SCALES], (const float *)t[QKV_OFFSETS], QKV,
            qkv, threads, xq);
@@ -325,8 +387,13 @@ INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D,
             rotate(row + j * hd, cos + i * hd, sin + i * hd, hd);
         }
         for (int64_t g = 0; g < KV; g++) {
-            memcpy(kc + (g * cap + start + i) * hd, row + (H + g) * hd, hd * sizeof(float));
-            memcpy(vc + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+            if (kv_half) {
+                store_half_row(kh + (g * cap + start + i) * hd, row + (H + g) * hd, hd);
+                store_half_row(vh + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd);
+            } else {
+                memcpy(kc + (g * cap + start + i) * hd, row + (H + g) * hd, hd * sizeof(float));
+                memcpy(vc + (g * cap + start + i) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+            }
         }
     }
     /* (row, head) pairs among the threads: each computed alone, by the same code, whichever thread runs it */
@@ -337,8 +404,10 @@ INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D,
 #ifdef _OPENMP
         sc += (int64_t)omp_get_thread_num() * positions;
 #endif
-        attend(qkv + i * QKV + j * hd, kc + g * cap * hd, vc + g * cap * hd, block ? positions - 1 : start + i, hd,
-               scale, sc, att + (i * H + j) * hd);
+        const void *keys = kv_half ? (const void *)(kh + g * cap * hd) : (const void *)(kc + g * cap * hd);
+        const void *values = kv_half ? (const void *)(vh + g * cap * hd) : (const void *)(vc + g * cap * hd);
+        attend(qkv + i * QKV + j * hd, keys, values, block ? positions - 1 : start + i, hd, scale, sc,
+               att + (i * H + j) * hd, kv_half);
     }
     linear(att, n, H * hd, (const void *)t[O_CODES], (const float *)t[O_SCALES], (const float *)t[O_OFFSETS], D,
            xn, threads, xq);
@@ -362,14 +431,15 @@ INLINE void decoder_layer(const int64_t *t, int64_t n, int64_t start, int64_t D,
 void diffspec_fused_layers(int64_t L, const int64_t *table, int64_t n, int64_t start, int64_t D, int64_t H,
                            int64_t KV, int64_t hd, int64_t F, float eps, float scale, const float *cos,
                            const float *sin, float *h, float *hidden, float *work, int threads, int q8,
-                           const float *final_norm, float final_eps, float *normed) {
+                           const float *final_norm, float final_eps, float *normed, int kv_half) {
     /* q8: the table's codes are q8_linear.c's layout; the activations are quantized into xq. final_norm (or NULL):
      * the model's final RMSNorm weight [D]: its rows of h go to normed [n, D] (the same rms_norm as the layers'; a
-     * torch call for it cost ~0.2 ms a step, its code out of cache after the weights stream through) */
+     * torch call for it cost ~0.2 ms a step, its code out of cache after the weights stream through). kv_half: the
+     * caches hold float16 keys and values (written rounded to nearest even, read exactly) */
     WORK_PARTS(n, D, H, KV, hd, F, start + n, threads, q8)
     for (int64_t l = 0; l < L; l++) {
         decoder_layer(table + l * LAYER_FIELDS, n, start, D, H, KV, hd, F, eps, scale, cos, sin, h, xn, qkv, att, gu,
-                      act, scores, xq, threads, NULL, 0);
+                      act, scores, xq, threads, NULL, 0, kv_half);
         if (hidden) memcpy(hidden + l * n * D, h, n * D * sizeof(float));
     }
     if (final_norm)
@@ -388,7 +458,7 @@ void diffspec_block_layers(int64_t L, const int64_t *table, const int64_t *qk_no
     WORK_PARTS(n, D, H, KV, hd, F, start + n, threads, q8)
     for (int64_t l = 0; l < L; l++)
         decoder_layer(table + l * LAYER_FIELDS, n, start, D, H, KV, hd, F, eps, scale, cos, sin, h, xn, qkv, att, gu,
-                      act, scores, xq, threads, (const float *)qk_norms[l], 1);
+                      act, scores, xq, threads, (const float *)qk_norms[l], 1, 0);
     for (int64_t i = 0; i < n; i++) {
         rms_norm(h + i * D, final_norm, D, eps, xn + i * D);
         memcpy(h + i * D, xn + i * D, D * sizeof(float));
@@ -449,6 +519,6 @@ void diffspec_batch_attend(int64_t B, int64_t H, int64_t KV, int64_t hd, int64_t
         sc += (int64_t)omp_get_thread_num() * positions;
 #endif
         const int64_t base = ((b * KV + g) * cap + f) * hd;
-        attend(q + bj * hd, keys + base, values + base, last - f, hd, scale, sc, out + bj * hd);
+        attend(q + bj * hd, keys + base, values + base, last - f, hd, scale, sc, out + bj * hd, 0);
     }
 }

@@ -53,7 +53,9 @@ def build_library(isa_flags: tuple):
     lib.diffspec_fused_work_floats.argtypes = [i64] * 7 + [ctypes.c_int]
     lib.diffspec_fused_work_floats.restype = i64
     lib.diffspec_fused_layers.argtypes = [i64, ptr, i64, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr,
-                                          ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, f32, ptr]
+                                          ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, f32, ptr, ctypes.c_int]
+    lib.diffspec_half_round_check.argtypes = [ptr, i64, ptr, ptr]
+    lib.diffspec_half_round_check.restype = None
     lib.diffspec_fused_layers.restype = None
     lib.diffspec_batch_attend.argtypes = [i64, i64, i64, i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr, ptr,
                                           ctypes.c_int]
@@ -118,6 +120,7 @@ class FusedLayers:
         self._held: tuple = ()   # what the table was built from (packs, norm weights, cache buffers), held so ids stay theirs
         self._table: Optional[torch.Tensor] = None
         self._q8 = False         # whether the table's packs are q8_linear.c's layout (`--kernels q8`)
+        self._kv_half = False    # whether the table's cache buffers hold float16 keys and values
         self._kept: dict = {}    # row count -> its packs, found in routing epoch _kept_epoch (_packs)
         self._kept_epoch = -1
 
@@ -156,9 +159,12 @@ class FusedLayers:
         if len({p.q8 is None for p in packs}) != 1:
             return None
         KV, D = self.kv_heads, self.head_dim
+        kv_dtype = cache_layers[0]._keys.dtype  # float32, or float16 (cache.PositionalLayer's `storage`)
+        if kv_dtype not in (torch.float32, torch.float16):
+            return None
         for c in cache_layers:
             shape = (1, KV, c._keys.shape[2], D)
-            if any(b.dtype != torch.float32 or b.shape != shape or not b.is_contiguous() for b in (c._keys, c._values)):
+            if any(b.dtype != kv_dtype or b.shape != shape or not b.is_contiguous() for b in (c._keys, c._values)):
                 return None
         rows = []
         for i, (layer, cache) in enumerate(zip(self.layers, cache_layers)):
@@ -168,6 +174,7 @@ class FusedLayers:
                          cache._keys.data_ptr(), cache._values.data_ptr(), cache._keys.shape[2]])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._q8 = packs[0].q8 is not None
+        self._kv_half = kv_dtype == torch.float16
         self._held = (packs, [(c._keys, c._values) for c in cache_layers], [p["weight"] for p in self._norm_params])
         return self._table
 
@@ -216,7 +223,7 @@ class FusedLayers:
                                   0 if hidden is None else hidden.data_ptr(), work.data_ptr(), threads,
                                   int(self._q8), 0 if norm is None else norm.weight.data_ptr(),
                                   0.0 if norm is None else float(norm.variance_epsilon),
-                                  0 if normed is None else normed.data_ptr())
+                                  0 if normed is None else normed.data_ptr(), int(self._kv_half))
         for c in cache_layers:
             c.advance(n)
         return x, hidden, normed
