@@ -93,6 +93,10 @@ def test_the_rotary_table_cuts_the_modules_own_rows_bitwise_and_grows(dtype):
         rotary.inv_freq.mul_(2)  # new frequencies (in place: the same storage)
         cos, _ = table.rows(h, 5, 1)
         assert same_bits(cos, rotary(h, position_ids=torch.tensor([[5]]))[0]) and not torch.equal(cos, before)
+    rotary.inv_freq = rotary.inv_freq * 3  # another tensor (made outside inference mode: a version of its own, 0)
+    with torch.inference_mode():
+        cos, _ = table.rows(h, 7, 2)
+        assert same_bits(cos, rotary(h, position_ids=torch.tensor([[7, 8]]))[0])
 
 
 def test_rotary_kinds_that_rescale_with_the_length_keep_calling_the_module(monkeypatch):

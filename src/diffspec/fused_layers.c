@@ -227,7 +227,7 @@ INLINE void store_half_row(uint16_t *restrict dst, const float *restrict x, int6
 #if defined(__AVX512F__)
     for (; j + 16 <= hd; j += 16)
         _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtps_ph(_mm512_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
-#elif defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  /* (where immintrin.h is included) */
     for (; j + 8 <= hd; j += 8)
         _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
 #endif

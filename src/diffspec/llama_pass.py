@@ -249,8 +249,8 @@ class RotaryTable:
     ~0.15 ms a one-row step (seven torch operations whose code the weights' stream had pushed out of cache); a cut
     costs microseconds. Only for rotary kinds computed once (not "dynamic" or "longrope", which rescale with the
     sequence's length: `rows` answers None, and the module runs as before). Made anew when the module's inverse
-    frequencies (their storage, or their version where they have one: a model built under inference mode has none),
-    the rows' dtype or their device change."""
+    frequencies change (another tensor, or the same one changed in place where it has a version: a tensor made under
+    inference mode has none), or the rows' dtype or device."""
 
     MIN_POSITIONS = 1024
 
@@ -266,13 +266,15 @@ class RotaryTable:
         if not self.applies:
             return None
         inv = self.rotary.inv_freq
-        key = (inv.data_ptr(), None if inv.is_inference() else inv._version, inv.device, h.dtype, h.device,
-               getattr(self.rotary, "attention_scaling", None))
-        if key != self._key or self._cos.shape[1] < start + n:
-            positions = max(self.MIN_POSITIONS, 1 << (start + n - 1).bit_length(),
-                            self._cos.shape[1] if key == self._key else 0)
+        # the tensor itself (held, compared by identity: its address cannot pass to another), its version where it
+        # has one, the rows' dtype and device
+        state = (None if inv.is_inference() else inv._version, inv.device, h.dtype, h.device,
+                 getattr(self.rotary, "attention_scaling", None))
+        same = self._key is not None and self._key[0] is inv and self._key[1] == state
+        if not same or self._cos.shape[1] < start + n:
+            positions = max(self.MIN_POSITIONS, 1 << (start + n - 1).bit_length(), self._cos.shape[1] if same else 0)
             self._cos, self._sin = self.rotary(h, position_ids=torch.arange(positions, device=h.device).unsqueeze(0))
-            self._key = key
+            self._key = (inv, state)
         return self._cos[:, start:start + n], self._sin[:, start:start + n]
 
 
