@@ -410,7 +410,8 @@ def q8_plan(model: torch.nn.Module, quiet: bool = False) -> LinearPlan:
                             f"from a GGUF file); these weights are not: {', '.join(missing)}")
     if not quiet:
         print(f"diffspec: --kernels q8: every linear layer reads GGUF codes with 8-bit activations "
-              f"({q8_linear.isa()} kernel; llama.cpp's arithmetic, not transformers' float32)", file=sys.stderr,
+              f"({q8_linear.isa()} kernel) and a float16 cache where the fused layers run (llama.cpp's arithmetic, "
+              f"not transformers' float32)", file=sys.stderr,
               flush=True)
     every = frozenset(ROW_BUCKETS)
     return LinearPlan(packed_rows={shape: every for shape in linear_groups(model)}, q8=True)
