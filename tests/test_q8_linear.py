@@ -165,6 +165,27 @@ def test_a_q8_targets_cache_holds_float16_keys_and_values_rounded_from_its_float
     K.uninstall(float32.model)
 
 
+def test_scores_a_block_at_a_time_leave_a_q8_pass_on_the_float16_cache_bitwise_unchanged():
+    """The fused call's attention on the float16 cache, scores summed a block at a time (the default) or one position
+    at a time (-DATTEND_TRANSPOSED=0): the same logits bitwise, at 1-9 rows past a 100-token context."""
+    from diffspec import fused_layers as FL
+    target = q8_target()
+    fused = target.direct_pass.fused
+    libs = (fused.lib, FL.build_library(FL.NATIVE + ("-DATTEND_TRANSPOSED=0",)))
+    ids = torch.randint(3, 96, (110,), generator=torch.Generator().manual_seed(10))
+    for n in (1, 2, 5, 9):
+        got = []
+        for lib in libs:
+            fused.lib = lib
+            target.reset()
+            target.forward(ids[:100])
+            got.append(target.forward(ids[100:100 + n]).logits)
+        fused.lib = libs[0]
+        assert target._cache.layers[0]._keys.dtype == torch.float16
+        assert same_bits(got[0], got[1]), n
+    K.uninstall(target.model)
+
+
 def test_a_q8_target_runs_the_fused_call_at_any_width_a_long_prefill_included(monkeypatch):
     """Under q8 the packed kernel is the arithmetic, not a choice per width: a pass wider than the plan's last
     bucket (64 rows) runs the fused call too, and its rows equal one-row steps bitwise."""

@@ -257,9 +257,58 @@ void diffspec_half_round_check(const float *x, int64_t n, uint16_t *scalar, uint
     store_half_row(vector, x, n);
 }
 
+/* LANES vectors' horizontal sums as one vector: lane i is bitwise vsum(a[i]) (the same additions of the same pairs
+ * in the same tree: lanes j and j + LANES/2 first, then halves again), found by transposing as it adds: LANES - 1
+ * vector additions and two shuffles each, not LANES horizontal sums of log2(LANES) dependent steps. */
+#if defined(__AVX512F__)
+#define SCORE_BLOCK 16
+#define VMAX_KEEP(s, t) _mm512_max_ps(s, t)
+INLINE vec vsum_lanes(const vec *a) {
+    /* vsum (GCC's _mm512_reduce_add_ps): t8 = hi 256 + lo 256; t4 = hi 128 + lo 128 of t8; t2[i] = t4[i] + t4[i + 2];
+     * the sum t2[0] + t2[1]. Level 1: pairs of vectors to [a's t8 | b's t8]; level 2 to four t4s a vector; level 3
+     * (within 128-bit lanes) to eight t2s; level 4 to the sixteen sums, vector q + 4r's in lane 4q + r. */
+    vec l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++)
+        l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                              _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 4; i++)  /* [A 0-7 | B 0-7], [C | D] -> [A 4-7 + A 0-3 | B | C | D] */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                              _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane [X0 X1 Y0 Y1] + [X2 X3 Y2 Y3]: X of the first, Y of the second */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const vec s = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SCORE_BLOCK 8
+#define VMAX_KEEP(s, t) _mm256_max_ps(s, t)
+INLINE vec vsum_lanes(const vec *a) {
+    /* vsum: t4 = lo 128 + hi 128; t2 = t4 + movehl(t4) (lanes i, i + 2); the sum t2[0] + t2[1] */
+    vec l1[4], l2[2];
+    for (int i = 0; i < 4; i++)  /* [A lo | B lo] + [A hi | B hi] */
+        l1[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  /* per 128-bit lane [X0 X1 Y0 Y1] + [X2 X3 Y2 Y3] */
+        l2[i] = _mm256_add_ps(_mm256_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const vec s = _mm256_add_ps(_mm256_shuffle_ps(l2[0], l2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm256_shuffle_ps(l2[0], l2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#else
+#define SCORE_BLOCK 0  /* one lane: vsum is the value itself */
+#endif
+/* 0: scores four positions at a time, each by vsum (an A/B build; the same values) */
+#ifndef ATTEND_TRANSPOSED
+#define ATTEND_TRANSPOSED 1
+#endif
+
 /* One query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd], with hd = NV vectors
  * (a compile-time count once inlined: the query and the output stay in registers). Each score is one chain of
- * multiply-adds over the vectors then a fixed horizontal sum; the output sums the positions in order. */
+ * multiply-adds over the vectors then a fixed horizontal sum (vsum's tree; SCORE_BLOCK positions a step through
+ * vsum_lanes where the head is at most 8 vectors wide, the same values); the output sums the positions in order. */
 INLINE void attend_vectors(const int NV, const int HALF, const float *restrict q, const void *restrict keys,
                            const void *restrict values, int64_t last, float scale, float *restrict scores,
                            float *restrict out) {
@@ -267,6 +316,26 @@ INLINE void attend_vectors(const int NV, const int HALF, const float *restrict q
     for (int c = 0; c < NV; c++) qv[c] = vload(q + c * LANES);
     float top = -INFINITY;
     int64_t p = 0;
+#if SCORE_BLOCK
+    if (ATTEND_TRANSPOSED && NV <= 8) {  /* SCORE_BLOCK positions' scores a step, summed by vsum_lanes */
+        const int64_t w = NV * LANES;
+        const vec vscale = vset1(scale);
+        vec vtop = vset1(-INFINITY);
+        for (; p + SCORE_BLOCK <= last + 1; p += SCORE_BLOCK) {
+            vec a[SCORE_BLOCK];
+            for (int r = 0; r < SCORE_BLOCK; r++) {
+                a[r] = vmul(qv[0], kv_load(keys, (p + r) * w, HALF));
+                for (int c = 1; c < NV; c++) a[r] = vfma(qv[c], kv_load(keys, (p + r) * w + c * LANES, HALF), a[r]);
+            }
+            const vec sv = vmul(vsum_lanes(a), vscale);
+            vstore(scores + p, sv);
+            vtop = VMAX_KEEP(sv, vtop);  /* lane by lane sv > top ? sv : top (a NaN score keeps top) */
+        }
+        float tops[SCORE_BLOCK];
+        vstore(tops, vtop);
+        for (int r = 0; r < SCORE_BLOCK; r++) top = tops[r] > top ? tops[r] : top;
+    }
+#endif
     for (; p + 4 <= last + 1; p += 4) {  /* four positions side by side: four independent chains, each score the same */
         const int64_t k = p * NV * LANES, w = NV * LANES;
         vec a0 = vmul(qv[0], kv_load(keys, k, HALF)), a1 = vmul(qv[0], kv_load(keys, k + w, HALF));
