@@ -144,12 +144,13 @@ def test_the_final_norm_runs_in_the_call_and_the_head_reads_its_rows(packed, mon
 def test_scores_summed_a_block_at_a_time_are_the_one_at_a_time_sums_bitwise(isa):
     """Attention's scores taken SCORE_BLOCK positions a step through vsum_lanes (one transposing sum for the block)
     against the build that sums each position alone (-DATTEND_TRANSPOSED=0): bitwise the same outputs, at head widths
-    of 1, 2, 4, 8 and 16 vectors and 24 dimensions, over runs of positions that end inside and on a block's edge."""
+    of 8-256 dimensions (1-16 vectors of either build) and 24, over runs of positions that end inside and on a block's
+    edge (float32 keys; the float16 keys' path: test_q8_linear.py)."""
     if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX2")
     flags = P.NATIVE if isa == "native" else ISAS[isa]
     g = torch.Generator().manual_seed(9)
-    for hd in (16, 24, 32, 64, 128, 256):
+    for hd in (8, 16, 24, 32, 64, 128, 256):
         keys, values = torch.randn(3, 2, 300, hd, generator=g), torch.randn(3, 2, 300, hd, generator=g)
         q = torch.randn(3, 6, hd, generator=g) * 2
         for last in (0, 7, 15, 16, 17, 31, 32, 100, 255, 299):

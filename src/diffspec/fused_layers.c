@@ -262,6 +262,7 @@ void diffspec_half_round_check(const float *x, int64_t n, uint16_t *scalar, uint
  * vector additions and two shuffles each, not LANES horizontal sums of log2(LANES) dependent steps. */
 #if defined(__AVX512F__)
 #define SCORE_BLOCK 16
+#define SCORE_BLOCK_NV 8 /* heads of up to 8 vectors: 16 accumulators + the query + 2 of 32 registers */
 #define VMAX_KEEP(s, t) _mm512_max_ps(s, t)
 INLINE vec vsum_lanes(const vec *a) {
     /* vsum (GCC's _mm512_reduce_add_ps): t8 = hi 256 + lo 256; t4 = hi 128 + lo 128 of t8; t2[i] = t4[i] + t4[i + 2];
@@ -283,6 +284,7 @@ INLINE vec vsum_lanes(const vec *a) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SCORE_BLOCK 8
+#define SCORE_BLOCK_NV 4 /* 8 accumulators + the query + 2 of 16 registers (8-vector heads would spill) */
 #define VMAX_KEEP(s, t) _mm256_max_ps(s, t)
 INLINE vec vsum_lanes(const vec *a) {
     /* vsum: t4 = lo 128 + hi 128; t2 = t4 + movehl(t4) (lanes i, i + 2); the sum t2[0] + t2[1] */
@@ -308,7 +310,7 @@ INLINE vec vsum_lanes(const vec *a) {
 /* One query row of one head over positions 0 .. last: softmax(q . k * scale) . v -> out[hd], with hd = NV vectors
  * (a compile-time count once inlined: the query and the output stay in registers). Each score is one chain of
  * multiply-adds over the vectors then a fixed horizontal sum (vsum's tree; SCORE_BLOCK positions a step through
- * vsum_lanes where the head is at most 8 vectors wide, the same values); the output sums the positions in order. */
+ * vsum_lanes where the head is at most SCORE_BLOCK_NV vectors wide, the same values); the output sums the positions in order. */
 INLINE void attend_vectors(const int NV, const int HALF, const float *restrict q, const void *restrict keys,
                            const void *restrict values, int64_t last, float scale, float *restrict scores,
                            float *restrict out) {
@@ -317,7 +319,7 @@ INLINE void attend_vectors(const int NV, const int HALF, const float *restrict q
     float top = -INFINITY;
     int64_t p = 0;
 #if SCORE_BLOCK
-    if (ATTEND_TRANSPOSED && NV <= 8) {  /* SCORE_BLOCK positions' scores a step, summed by vsum_lanes */
+    if (ATTEND_TRANSPOSED && NV <= SCORE_BLOCK_NV) {  /* SCORE_BLOCK positions' scores a step, summed by vsum_lanes */
         const int64_t w = NV * LANES;
         const vec vscale = vset1(scale);
         vec vtop = vset1(-INFINITY);
