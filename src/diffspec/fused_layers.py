@@ -258,4 +258,3 @@ def batch_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, firs
                               q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), scores.data_ptr(),
                               threads)
     return out
-

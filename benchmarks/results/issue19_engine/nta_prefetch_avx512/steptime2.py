@@ -1,4 +1,6 @@
-import time, statistics, collections
+"""Where a one-row step goes: medians of each part over 2 HumanEval prompts x 256 tokens of plain decoding.
+    python steptime2.py [KERNELS]      (default q8; `auto`: the float32 target)"""
+import sys, time, statistics, collections
 import torch, torch.nn.functional as F
 from diffspec.api import load_engine
 from diffspec.datasets import load_prompts
@@ -9,7 +11,7 @@ def timed(label, f):
         t0 = time.perf_counter(); r = f(*a, **k); acc[label].append(1e3 * (time.perf_counter() - t0)); return r
     return g
 prompts = [t for _, t in load_prompts("humaneval")[:2]]
-e = load_engine(drafter="none", backend="transformers", kernels="q8", quiet=True)
+e = load_engine(drafter="none", backend="transformers", kernels=sys.argv[1] if len(sys.argv) > 1 else "q8", quiet=True)
 e.generate(prompts[0], max_new_tokens=8)
 dp = e.target.direct_pass
 F.rms_norm = timed("rms_norm", F.rms_norm)
