@@ -114,15 +114,18 @@ def test_fused_layers_under_q8_keep_a_row_bitwise_the_same_at_every_width(isa, h
     K.uninstall(target.model)
 
 
-@pytest.mark.parametrize("isa", ["native", *sorted(ISAS), "avx2-f16c"])
+@pytest.mark.parametrize("isa", ["native", *sorted(ISAS), "avx2-f16c", "f16c-only"])
 def test_keys_and_values_round_to_float16_as_torch_rounds_on_every_build(isa):
     """fused_layers.c's float16 rounding (plain C, and the build's vector form) is torch's (to nearest, ties to
-    even): normals, ties, subnormals, the overflow edge, infinities, NaN, zeros."""
+    even): normals, ties, subnormals, the overflow edge, infinities, NaN, zeros. "f16c-only": a CPU with F16C but
+    neither AVX2 nor FMA (Ivy Bridge) builds the library too, with the plain C forms (it once did not compile)."""
     from diffspec import fused_layers as FL
     if isa.startswith("avx2") and not has_avx2():
         pytest.skip("this CPU has no AVX2")
-    flags = {"native": FL.NATIVE, "avx2-f16c": ("-mavx2", "-mfma", "-mf16c")}.get(isa) or ISAS[isa]
+    flags = {"native": FL.NATIVE, "avx2-f16c": ("-mavx2", "-mfma", "-mf16c"), "f16c-only": ("-mf16c",)}.get(isa) \
+        or ISAS[isa]
     lib = FL.build_library(flags)
+    assert not isinstance(lib, Exception), lib
     g = torch.Generator().manual_seed(0)
     halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     ties = (halves[:-1] + halves[1:]) / 2  # exactly halfway between neighbouring halves (float32 holds them)
